@@ -1,0 +1,23 @@
+"""Drop-in PyTorch Lightning strategies that keep a direct reference to the LightningModule.
+
+Importing this package registers the strategy names (``ddp_sharded``, ``ddp_sharded_spawn``, ``ddp_sharded_fork``)
+with Lightning's ``StrategyRegistry``, so ``Trainer(strategy="ddp_sharded")`` works.
+"""
+
+from pytorch_lightning.strategies import StrategyRegistry
+
+from lightning_strategies.checkpoint import CheckpointMetadata
+from lightning_strategies.strategies import DirectReferenceStrategy, ForwardRedirection, ShardedDDPStrategy
+
+__version__ = "0.1.0"
+
+for _strategy in (ShardedDDPStrategy,):
+    _strategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "CheckpointMetadata",
+    "DirectReferenceStrategy",
+    "ForwardRedirection",
+    "ShardedDDPStrategy",
+    "__version__",
+]

@@ -1,0 +1,126 @@
+"""Canonical model state: the keys and full tensors of the unwrapped module's ``state_dict()``.
+
+A checkpoint's ``"state_dict"`` is checked against what the model expects *before* anything is copied into the
+model, so a bad checkpoint raises an error that names every problem and leaves the weights as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+
+from lightning_strategies.checkpoint.errors import ModelStateMismatchError
+
+# Prefixes that wrappers put in front of a module's keys when state is read from the wrapper instead of the module.
+WRAPPER_PREFIXES = (
+    "module.",
+    "_forward_module.",
+    "_fsdp_wrapped_module.",
+    "_fpw_module.",
+    "_orig_mod.",
+    "_checkpoint_wrapped_module.",
+)
+
+_LISTED = 10  # names shown per category in an error message; the rest are counted
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "floating point"
+    return "integer"
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(repr(name) for name in names[:_LISTED])
+    more = len(names) - _LISTED
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+def _wrapper_prefix_hint(unexpected: list[str], expected: Mapping[str, Any]) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        stripped = [key.removeprefix(prefix) for key in unexpected if key.startswith(prefix)]
+        if stripped and all(key in expected for key in stripped):
+            return (
+                f" The unexpected keys are the expected ones behind the wrapper prefix {prefix!r}: the state was read"
+                " from a wrapper instead of the LightningModule. Strip the prefix from the keys to repair the file."
+            )
+    return ""
+
+
+def check_model_state(
+    expected: Mapping[str, Any],
+    state: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    source: str = "the checkpoint",
+) -> None:
+    """Checks that ``state`` fits a model whose canonical state looks like ``expected``.
+
+    Args:
+        expected: The model's canonical state, or any mapping from key to a tensor of the expected shape and dtype.
+        state: The state to load, e.g. ``checkpoint["state_dict"]``.
+        strict: Whether missing and unexpected keys are errors (as in ``Module.load_state_dict``).
+        source: How to name the state in error messages (usually the checkpoint path).
+
+    Raises:
+        ModelStateMismatchError: Naming the missing keys, unexpected keys, shape and dtype mismatches.
+    """
+    if not isinstance(state, Mapping):
+        raise ModelStateMismatchError(f"{source}: the model state should be a dict, found {type(state).__name__}.")
+    problems: list[str] = []
+    unexpected = [key for key in state if key not in expected]
+    missing = [key for key in expected if key not in state]
+    if strict and missing:
+        problems.append(f"missing keys ({len(missing)}): {_listing(missing)}")
+    if strict and unexpected:
+        problems.append(
+            f"unexpected keys ({len(unexpected)}): {_listing(unexpected)}" + _wrapper_prefix_hint(unexpected, expected)
+        )
+    mismatched: list[str] = []
+    for key, want in expected.items():
+        got = state.get(key)
+        if not isinstance(want, Tensor) or got is None:
+            continue
+        if not isinstance(got, Tensor):
+            mismatched.append(f"{key!r}: expected a tensor of shape {tuple(want.shape)}, found {type(got).__name__}")
+        elif got.shape != want.shape:
+            mismatched.append(f"{key!r}: checkpoint has shape {tuple(got.shape)}, model expects {tuple(want.shape)}")
+        elif _dtype_kind(got.dtype) != _dtype_kind(want.dtype):
+            mismatched.append(f"{key!r}: checkpoint has dtype {got.dtype}, model expects {want.dtype}")
+    if mismatched:
+        problems.append(f"mismatched tensors ({len(mismatched)}): " + "; ".join(mismatched[:_LISTED]))
+    if problems:
+        raise ModelStateMismatchError(
+            f"{source} does not fit the model; nothing was loaded.\n  " + "\n  ".join(problems)
+        )
+
+
+def load_model_state(module: Module, state: Mapping[str, Any], *, strict: bool = True, source: str = "") -> None:
+    """Loads canonical ``state`` into a module whose parameters are whole tensors (no sharding).
+
+    The state is validated first, so on error the module is left unchanged.
+
+    Args:
+        module: The LightningModule (or any module) to load into.
+        state: Canonical model state.
+        strict: Whether missing and unexpected keys are errors.
+        source: How to name the state in error messages.
+
+    Raises:
+        ModelStateMismatchError: The state does not fit the module.
+    """
+    check_model_state(module.state_dict(), state, strict=strict, source=source or "the checkpoint")
+    module.load_state_dict(state, strict=strict)
+
+
+def to_cpu_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Returns ``state`` with every tensor detached and on the CPU (same dtypes and shapes)."""
+    return {key: value.detach().cpu() if isinstance(value, Tensor) else value for key, value in state.items()}

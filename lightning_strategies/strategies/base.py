@@ -1,0 +1,461 @@
+"""The base every strategy of this package builds on: a direct reference to the LightningModule.
+
+``connect(model)`` keeps ``model`` as ``self.lightning_module`` for the whole run, and ``self.model`` is the wrapper
+built around it. Nothing here finds the module by unwrapping. Checkpoint state leaves through
+``lightning_module_state_dict``/``optimizer_state`` in canonical form and enters through
+``load_model_state_dict``/``load_optimizer_state_dict``, validated before anything changes. A subclass only says how
+to wrap and how to read/write its sharded state; see ``docs/`` ("Writing your own strategy").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, ClassVar, Literal
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.strategies.registry import _StrategyRegistry
+from lightning_fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning_fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning_fabric.utilities.seed import reset_seed
+from lightning_fabric.utilities.types import _PATH
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from pytorch_lightning.core.optimizer import LightningOptimizer
+from pytorch_lightning.overrides.distributed import _sync_module_states
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
+from pytorch_lightning.strategies.parallel import ParallelStrategy
+from pytorch_lightning.strategies.strategy import TBroadcast
+from pytorch_lightning.trainer.states import TrainerFn
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_strategies.checkpoint import (
+    FORMAT_VERSION,
+    METADATA_KEY,
+    CheckpointMetadata,
+    check_optimizer_states,
+    load_model_state,
+    param_group_shapes,
+    read_checkpoint,
+    require_full_checkpoint,
+    to_cpu_state,
+)
+from lightning_strategies.checkpoint.errors import CheckpointFormatError
+from lightning_strategies.strategies.launcher import CanonicalStateLauncher
+from lightning_strategies.strategies.redirection import ForwardRedirection
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class DirectReferenceStrategy(ParallelStrategy):
+    """Multi-process strategy that wraps the LightningModule directly and never unwraps it.
+
+    Subclasses set ``strategy_name`` and implement :meth:`configure_for_fit`; they override the ``_canonical_*`` and
+    ``_load_*`` hooks where their wrapper shards state.
+
+    Args:
+        accelerator: The accelerator (set by the Trainer when omitted).
+        parallel_devices: Devices of this node (set by the Trainer when omitted).
+        cluster_environment: Cluster environment (set by the Trainer when omitted).
+        checkpoint_io: Checkpoint IO plugin.
+        precision_plugin: Precision plugin.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
+        timeout: Timeout of collective operations.
+        start_method: ``"popen"`` (one script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+    """
+
+    #: Registry name, also written into each checkpoint's metadata block.
+    strategy_name: ClassVar[str] = "direct_reference"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._redirect = ForwardRedirection()
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method: StartMethod = start_method
+        self._checkpoint_source = "the checkpoint"
+
+    # ------------------------------------------------------------------ the direct reference
+
+    def require_lightning_module(self) -> pl.LightningModule:
+        """Returns the LightningModule passed to the Trainer.
+
+        Raises:
+            RuntimeError: The strategy is used outside a Trainer run (no module connected yet).
+        """
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no LightningModule yet; the Trainer connects it in fit, validate, test"
+                " and predict."
+            )
+        return module
+
+    # ------------------------------------------------------------------ processes and collectives
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        devices = self.parallel_devices
+        if not devices:
+            raise RuntimeError(f"{type(self).__name__} has no devices; pass it to a Trainer before use.")
+        return devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes taking part in training."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Number of processes on this node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Always ``True``: tells the Trainer to add a ``DistributedSampler``."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The ``torch.distributed`` backend in use (``None`` before setup)."""
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self.cluster_environment is None:
+            raise RuntimeError(f"{type(self).__name__} needs a cluster environment; pass it to a Trainer before use.")
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = CanonicalStateLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        if self._process_group_backend is None:
+            self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
+        if self.cluster_environment is None:
+            raise RuntimeError(f"{type(self).__name__} needs a cluster environment; pass it to a Trainer before use.")
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+
+    def set_world_ranks(self) -> None:
+        """Derives global rank and world size from node rank, local rank and the process count."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        # The one `rank_zero_only` that Lightning, Fabric and lightning_utilities share reads its rank from here.
+        vars(utils_rank_zero_only)["rank"] = self.global_rank
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        container = [obj]
+        torch.distributed.broadcast_object_list(container, src)
+        return container[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def model_to_device(self) -> None:
+        self.require_lightning_module().to(self.root_device)
+
+    # ------------------------------------------------------------------ wrapping
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if self.accelerator is None:
+            raise RuntimeError(f"{type(self).__name__} has no accelerator; pass it to a Trainer before use.")
+        self.accelerator.setup(trainer)
+        module = self.require_lightning_module()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync is not None:
+            self._layer_sync.apply(module)  # converts submodules in place, e.g. to SyncBatchNorm
+        self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        if fitting:
+            self.configure_for_fit(trainer)
+        else:
+            self.configure_for_evaluation(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def configure_for_fit(self, trainer: pl.Trainer) -> None:
+        """Wraps ``self.lightning_module`` into ``self.model`` and creates ``self.optimizers``.
+
+        Call ``self.setup_optimizers(trainer)`` at the point where the module's parameters are the ones that train
+        (after wrapping, for wrappers that replace parameters).
+
+        Args:
+            trainer: The Trainer that is fitting.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement configure_for_fit().")
+
+    def configure_for_evaluation(self, trainer: pl.Trainer) -> None:
+        """Prepares validate/test/predict without fit. Default: no wrapper, every rank gets rank 0's weights.
+
+        Args:
+            trainer: The Trainer that is evaluating or predicting.
+        """
+        _sync_module_states(self.require_lightning_module())
+
+    @override
+    def setup_precision_plugin(self) -> None:
+        super().setup_precision_plugin()
+        if self.gradients_are_sharded and self._precision_plugin is not None:
+            # Lightning clips through the precision plugin and offers strategies no hook for it. With sharded
+            # gradients torch's clip_grad_norm_ would compute a different norm on every rank, so the plugin instance
+            # this strategy owns routes norm clipping to the strategy until teardown.
+            vars(self._precision_plugin)["clip_grad_by_norm"] = self.clip_grad_by_norm
+
+    @property
+    def gradients_are_sharded(self) -> bool:
+        """Whether each rank holds only part of the gradients after backward (then norms need a collective)."""
+        return False
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clips gradients by their total norm across all ranks; used when ``gradients_are_sharded``.
+
+        Args:
+            optimizer: The optimizer whose parameters' gradients are clipped.
+            clip_val: The maximum total norm.
+        """
+        raise NotImplementedError(f"{type(self).__name__} shards gradients and must implement clip_grad_by_norm().")
+
+    @override
+    def teardown(self) -> None:
+        if self._precision_plugin is not None:
+            vars(self._precision_plugin).pop("clip_grad_by_norm", None)
+        module = self.lightning_module
+        if module is not None:
+            self.model = module  # drop the wrapper; the direct reference is all that is left
+        super().teardown()
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skips gradient synchronisation while accumulating; the default wrapper has nothing to skip."""
+        yield None
+
+    # ------------------------------------------------------------------ steps go through the wrapper
+
+    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        module = self.require_lightning_module()
+        wrapper = self.model
+        if wrapper is None or wrapper is module:
+            return getattr(module, method_name)(*args, **kwargs)
+        # After validation Lightning restores train mode on the LightningModule's submodules only; the wrapper
+        # around it would stay in eval mode, and ShardedDataParallel, for one, then silently stops reducing
+        # gradients. The wrapper's own flag follows the module's (its children are the module's own).
+        wrapper.training = module.training
+        return self._redirect(wrapper, module, method_name, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._step("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._step("predict_step", *args, **kwargs)
+
+    # ------------------------------------------------------------------ state out: canonical, rank 0 only
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Canonical model state on global rank 0 (the unwrapped module's keys, full CPU tensors); ``{}`` elsewhere.
+
+        Every rank must call it: subclasses may gather with collectives.
+        """
+        state = self._canonical_model_state()
+        return state if self.is_global_zero else {}
+
+    def _canonical_model_state(self) -> dict[str, Any]:
+        """Hook: the canonical model state on rank 0. Default: the module holds whole tensors, read them directly."""
+        if not self.is_global_zero:
+            return {}
+        return to_cpu_state(self.require_lightning_module().state_dict())
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Canonical optimizer state (torch's integer-keyed layout over the whole model) on rank 0; ``{}`` elsewhere.
+
+        Every rank must call it: sharded optimizers gather with collectives.
+        """
+        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        state = self._canonical_optimizer_state(raw)
+        return state if self.is_global_zero else {}
+
+    def _canonical_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Hook: canonical state of one optimizer on rank 0. Default: a plain optimizer is already canonical."""
+        return optimizer.state_dict() if self.is_global_zero else {}
+
+    def checkpoint_metadata(self) -> CheckpointMetadata:
+        """The ``checkpoint["lightning_strategies"]`` block this strategy writes."""
+        return CheckpointMetadata(
+            format_version=FORMAT_VERSION,
+            strategy=self.strategy_name,
+            world_size=self.world_size,
+            state_dict_type="full",
+        )
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self.is_global_zero:
+            stamped = {**checkpoint, METADATA_KEY: self.checkpoint_metadata().to_dict()}
+            self.checkpoint_io.save_checkpoint(stamped, filepath, storage_options=storage_options)
+
+    # ------------------------------------------------------------------ state in: validated, then loaded
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Restore into the wrapped model, after the optimizers exist: a checkpoint whose optimizer states do not fit
+        # is then refused before the model's weights are touched.
+        return True
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        # Checkpoints never run code when loaded: weights_only is always True.
+        self._checkpoint_source = f"Checkpoint {str(checkpoint_path)!r}"
+        checkpoint = read_checkpoint(
+            checkpoint_path, load=lambda: self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=True)
+        )
+        require_full_checkpoint(checkpoint, source=self._checkpoint_source)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        source = self._checkpoint_source
+        require_full_checkpoint(checkpoint, source=source)
+        if "state_dict" not in checkpoint:
+            raise CheckpointFormatError(f"{source} has no 'state_dict' (keys: {', '.join(sorted(checkpoint))}).")
+        if self._restoring_optimizers(checkpoint):
+            # Refuse a checkpoint whose optimizer states do not fit *before* changing the weights.
+            self._check_optimizer_states(checkpoint["optimizer_states"])
+        self._load_canonical_model_state(checkpoint["state_dict"], strict=strict)
+
+    def _restoring_optimizers(self, checkpoint: Mapping[str, Any]) -> bool:
+        module = self.require_lightning_module()
+        trainer = module._trainer
+        return (
+            trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and self.lightning_restore_optimizer
+            and "optimizer_states" in checkpoint
+        )
+
+    def _load_canonical_model_state(self, state: Mapping[str, Any], strict: bool) -> None:
+        """Hook: puts canonical model state into the (wrapped) model. Default: the module holds whole tensors."""
+        load_model_state(self.require_lightning_module(), state, strict=strict, source=self._checkpoint_source)
+
+    def _canonical_param_shapes(self, optimizer: Optimizer) -> list[list[torch.Size]]:
+        """Hook: canonical shapes of each param group's parameters. Default: the optimizer's own parameters."""
+        return param_group_shapes(optimizer)
+
+    def _raw_optimizers(self) -> list[Optimizer]:
+        return [opt._optimizer if isinstance(opt, LightningOptimizer) else opt for opt in self.optimizers]
+
+    def _check_optimizer_states(self, states: Any) -> None:
+        optimizers = self._raw_optimizers()
+        shapes = [self._canonical_param_shapes(optimizer) for optimizer in optimizers]
+        check_optimizer_states(states, optimizers, shapes, source=self._checkpoint_source)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint["optimizer_states"]
+        self._check_optimizer_states(states)
+        for optimizer, state in zip(self._raw_optimizers(), states, strict=True):
+            self._load_canonical_optimizer_state(optimizer, state)
+            _optimizer_to_device(optimizer, self.root_device)
+
+    def _load_canonical_optimizer_state(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
+        """Hook: puts one canonical optimizer state into the (possibly sharded) optimizer."""
+        optimizer.load_state_dict(dict(state))
+
+    # ------------------------------------------------------------------ registry
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Registers ``<strategy_name>``, ``<strategy_name>_spawn`` and ``<strategy_name>_fork``."""
+        for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+            strategy_registry.register(
+                cls.strategy_name + suffix,
+                cls,
+                description=f"{cls.__name__} with start_method={start_method!r}",
+                override=True,
+                start_method=start_method,
+            )

@@ -1,0 +1,210 @@
+"""fairscale sharded DDP: optimizer state (OSS) and gradients sharded across ranks, parameters replicated."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from fairscale.nn.data_parallel import ShardedDataParallel
+from fairscale.optim import OSS
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from pytorch_lightning.plugins.precision import Precision
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_strategies.checkpoint import shallow_copy_state
+from lightning_strategies.strategies.base import DirectReferenceStrategy, StartMethod
+
+# Keyword arguments ShardedDataParallel accepts besides the module and the optimizers it builds from.
+SHARDED_DDP_KWARGS = frozenset(inspect.signature(ShardedDataParallel.__init__).parameters) - {
+    "self",
+    "module",
+    "sharded_optimizer",
+}
+
+
+def _to_oss(optimizer: Optimizer, index: int) -> OSS:
+    """Re-creates a plain optimizer as an OSS of the same type, with the same param groups and defaults."""
+    if isinstance(optimizer, OSS):
+        return optimizer
+    if optimizer.state:
+        raise ValueError(
+            f"Optimizer {index} ({type(optimizer).__name__}) already holds state before training started; it cannot"
+            " be re-created as a sharded fairscale OSS optimizer without losing it. Create it without state in"
+            " configure_optimizers(), or build `fairscale.optim.OSS` yourself there."
+        )
+    groups = [dict(group) for group in optimizer.param_groups]  # copies: OSS adopts and edits the dicts it gets
+    try:
+        return OSS(params=groups, optim=type(optimizer), **optimizer.defaults)
+    except TypeError as error:
+        raise TypeError(
+            f"Optimizer {index} ({type(optimizer).__name__}) cannot be sharded: OSS re-creates it as"
+            f" {type(optimizer).__name__}(params, **defaults) and that failed ({error}). Build `fairscale.optim.OSS`"
+            " yourself in configure_optimizers()."
+        ) from error
+
+
+def _keep_gradient_views(optimizer: OSS) -> None:
+    """Makes ``optimizer.zero_grad`` zero gradients in place instead of dropping them.
+
+    ShardedDataParallel's reduce buckets make each small gradient a view into a bucket buffer. torch 2's default
+    ``zero_grad(set_to_none=True)`` drops those views; the next backward allocates fresh gradients, and the bucket
+    reduces stale values: training silently diverges from DDP. Zeroing in place keeps the views.
+    """
+
+    def zero_grad_in_place(set_to_none: bool = True) -> None:
+        type(optimizer).zero_grad(optimizer, set_to_none=False)
+
+    vars(optimizer)["zero_grad"] = zero_grad_in_place
+
+
+def _retarget_scheduler(scheduler: Any, old: Optimizer, new: Optimizer) -> None:
+    """Points an LR scheduler (and the schedulers it chains) that drove ``old`` at ``new``."""
+    for inner in getattr(scheduler, "_schedulers", ()):
+        _retarget_scheduler(inner, old, new)
+    if getattr(scheduler, "optimizer", None) is old:
+        scheduler.optimizer = new
+        # torch wraps the optimizer's step at scheduler creation to warn about a scheduler stepping first; the new
+        # optimizer was not wrapped, so mark it the way torch does, or every run would warn falsely.
+        _mark_step_tracked(new)
+
+
+def _mark_step_tracked(optimizer: Optimizer) -> None:
+    step = optimizer.step
+    if getattr(step, "_wrapped_by_lr_sched", False):
+        return
+
+    def tracked_step(*args: Any, **kwargs: Any) -> Any:
+        vars(optimizer)["_opt_called"] = True
+        return step(*args, **kwargs)
+
+    vars(tracked_step)["_wrapped_by_lr_sched"] = True
+    vars(optimizer)["step"] = tracked_step
+
+
+class ShardedDDPStrategy(DirectReferenceStrategy):
+    """Data parallel training with fairscale ``ShardedDataParallel`` and ``OSS`` (ZeRO stages 1 and 2).
+
+    The LightningModule is wrapped directly. The optimizers that ``configure_optimizers()`` returns become OSS
+    optimizers of the same type, param groups and defaults, and the LR schedulers follow them. Checkpoints hold the
+    optimizer state consolidated on rank 0 in torch's canonical layout, so they resume under any strategy.
+
+    Args:
+        accelerator: The accelerator (set by the Trainer when omitted).
+        parallel_devices: Devices of this node (set by the Trainer when omitted).
+        cluster_environment: Cluster environment (set by the Trainer when omitted).
+        checkpoint_io: Checkpoint IO plugin.
+        precision_plugin: Precision plugin.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
+        timeout: Timeout of collective operations.
+        start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        **sharded_ddp_kwargs: Passed to ``fairscale.nn.ShardedDataParallel`` (``broadcast_buffers``,
+            ``reduce_buffer_size``, ``auto_refresh_trainable``, ``reduce_fp16``, ...). ``reduce_buffer_size``
+            defaults to 0 here (fairscale: 2**23): with buckets, gradients must be zeroed in place, so the
+            optimizers' ``zero_grad`` then ignores ``set_to_none``.
+
+    Raises:
+        TypeError: A keyword argument that ``ShardedDataParallel`` does not take.
+    """
+
+    strategy_name = "ddp_sharded"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        **sharded_ddp_kwargs: Any,
+    ) -> None:
+        unknown = sorted(set(sharded_ddp_kwargs) - SHARDED_DDP_KWARGS)
+        if unknown:
+            hint = (
+                " ShardedDataParallel reduces the gradients of unused parameters by itself; drop"
+                " find_unused_parameters."
+                if "find_unused_parameters" in unknown
+                else ""
+            )
+            raise TypeError(
+                f"ShardedDDPStrategy got keyword argument(s) {', '.join(unknown)} that fairscale's ShardedDataParallel"
+                f" does not take. It takes: {', '.join(sorted(SHARDED_DDP_KWARGS))}.{hint}"
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._sharded_ddp_kwargs = {"reduce_buffer_size": 0, **sharded_ddp_kwargs}
+
+    @override
+    def configure_for_fit(self, trainer: pl.Trainer) -> None:
+        module = self.require_lightning_module()
+        # The module keeps whole parameters under ShardedDataParallel, so configure_optimizers() sees the
+        # parameters that train; only the optimizer objects are swapped for sharded ones.
+        self.setup_optimizers(trainer)
+        sharded = [_to_oss(optimizer, index) for index, optimizer in enumerate(self.optimizers)]
+        for old, new in zip(self.optimizers, sharded, strict=True):
+            if old is not new:
+                for config in self.lr_scheduler_configs:
+                    _retarget_scheduler(config.scheduler, old, new)
+        if self._sharded_ddp_kwargs["reduce_buffer_size"] > 0:
+            for optimizer in sharded:
+                _keep_gradient_views(optimizer)
+        self.optimizers = list(sharded)
+        self.model = ShardedDataParallel(module, sharded_optimizer=sharded, **self._sharded_ddp_kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if isinstance(self.model, ShardedDataParallel):
+            with self.model.no_sync():
+                yield None
+        else:
+            yield None
+
+    @property
+    @override
+    def gradients_are_sharded(self) -> bool:
+        return isinstance(self.model, ShardedDataParallel)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if not isinstance(optimizer, OSS):
+            raise TypeError(
+                f"ShardedDDPStrategy clips gradients through fairscale OSS, but got {type(optimizer).__name__}."
+            )
+        # Each rank only holds the gradients of its shard: OSS computes the total norm with an all-reduce.
+        optimizer.clip_grad_norm(clip_val)
+
+    @override
+    def _canonical_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not isinstance(optimizer, OSS):
+            return super()._canonical_optimizer_state(optimizer)
+        # Only rank 0 receives the shards (no N-fold copies); OSS re-keys them into the canonical layout.
+        optimizer.consolidate_state_dict(recipient_rank=0)
+        if not self.is_global_zero:
+            return {}
+        state: dict[str, Any] = optimizer.state_dict()
+        optimizer._all_states = []  # OSS would keep the consolidated copies alive until the next save
+        return state
+
+    @override
+    def _load_canonical_optimizer_state(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
+        # OSS.load_state_dict empties the entries of other ranks' parameters in the dict it is given: pass a copy so
+        # the loaded checkpoint stays intact.
+        optimizer.load_state_dict(shallow_copy_state(state))

@@ -1,0 +1,58 @@
+"""Shared setup for distributed tests: loopback only, a fresh port per test, quiet Lightning output."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import lightning_strategies  # noqa: F401  (registers the strategy names)
+
+
+def free_loopback_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.fixture(autouse=True)
+def loopback_rendezvous(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """Every process group of a test meets on 127.0.0.1 at a port picked for that test; gloo stays on loopback."""
+    port = free_loopback_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    yield port
+
+
+@pytest.fixture(autouse=True, scope="session")
+def quiet_lightning() -> None:
+    for name in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger().setLevel(logging.ERROR)  # fairscale logs through the root logger
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*dirpath has changed.*")
+    warnings.filterwarnings("ignore", message=".*DistributedSampler.*")
+
+
+def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
+    """Trainer arguments for fast, quiet CPU runs; tests override what they are about."""
+    kwargs: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 2,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "max_epochs": 2,
+    }
+    kwargs.update(overrides)
+    return kwargs

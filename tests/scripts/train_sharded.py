@@ -1,0 +1,30 @@
+"""Trains with `strategy="ddp_sharded"` (subprocess launcher: this script is started once per rank).
+
+Usage: python train_sharded.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+import lightning_strategies  # noqa: F401  (registers "ddp_sharded")
+from lightning_strategies.testing import ConformanceModel
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    pl.seed_everything(3, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_sharded",
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[ModelCheckpoint(dirpath=out, filename="{epoch}", save_top_k=-1)],
+    )
+    trainer.fit(ConformanceModel())
