@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +103,33 @@ def test_the_lr_scheduler_steps_the_learning_rate_of_every_shard(tmp_path: Path)
     for record in recorder.read():
         assert record["visible"] == [0.01, 0.005]
         assert record["used_by_shard"] == [0.01, 0.005]
+
+
+class WarningRecorder(pl.Callback):
+    """Collects the warnings raised during training on each rank into ``<dir>/warnings-rank<r>.json``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.catcher: Any = None
+        self.caught: list[warnings.WarningMessage] = []
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.catcher = warnings.catch_warnings(record=True)
+        self.caught = self.catcher.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.catcher.__exit__(None, None, None)
+        messages = [str(warning.message) for warning in self.caught]
+        (self.directory / f"warnings-rank{trainer.global_rank}.json").write_text(json.dumps(messages))
+
+
+def test_the_lr_scheduler_does_not_warn_that_the_optimizer_step_was_replaced(tmp_path: Path) -> None:
+    fit("ddp_sharded_fork", new_model(), callbacks=[WarningRecorder(tmp_path)], max_epochs=1, limit_train_batches=4)
+
+    for rank in range(2):
+        messages = json.loads((tmp_path / f"warnings-rank{rank}.json").read_text())
+        assert not [message for message in messages if "lr_scheduler" in message or "optimizer.step()" in message]
 
 
 # ---------------------------------------------------------------------------------------------- training math
