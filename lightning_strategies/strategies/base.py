@@ -104,6 +104,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method: StartMethod = start_method
         self._checkpoint_source = "the checkpoint"
+        self._final_model_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ the direct reference
 
@@ -283,11 +284,25 @@ class DirectReferenceStrategy(ParallelStrategy):
         """
         raise NotImplementedError(f"{type(self).__name__} shards gradients and must implement clip_grad_by_norm().")
 
+    def take_final_model_state(self) -> dict[str, Any]:
+        """The canonical model state taken at the end of fit (see :meth:`teardown`); ``{}`` when there is none."""
+        state, self._final_model_state = self._final_model_state or {}, None
+        return state
+
     @override
     def teardown(self) -> None:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if (
+            isinstance(self._launcher, CanonicalStateLauncher)
+            and trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+        ):
+            # The launcher sends the trained weights to the main process after teardown, when the wrapper that
+            # could gather them is gone: take them now, while every rank still holds its shard.
+            self._final_model_state = self.lightning_module_state_dict()
         if self._precision_plugin is not None:
             vars(self._precision_plugin).pop("clip_grad_by_norm", None)
-        module = self.lightning_module
         if module is not None:
             self.model = module  # drop the wrapper; the direct reference is all that is left
         super().teardown()

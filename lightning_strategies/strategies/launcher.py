@@ -9,22 +9,34 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytorch_lightning as pl
 from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from pytorch_lightning.trainer.states import TrainerFn
+
+if TYPE_CHECKING:
+    from lightning_strategies.strategies.base import DirectReferenceStrategy
 from typing_extensions import override
 
 
 class CanonicalStateLauncher(_MultiProcessingLauncher):
-    """A ``_MultiProcessingLauncher`` whose workers return the strategy's canonical model state."""
+    """A ``_MultiProcessingLauncher`` whose workers return the strategy's canonical model state.
+
+    Args:
+        strategy: The strategy whose workers it launches.
+        start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+    """
+
+    def __init__(self, strategy: DirectReferenceStrategy, start_method: Literal["spawn", "fork", "forkserver"]) -> None:
+        super().__init__(strategy, start_method=start_method)
+        self._direct_strategy = strategy
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         fitting = trainer.state.fn == TrainerFn.FITTING
-        # Every rank calls this: gathering canonical state may be a collective operation.
-        weights = self._strategy.lightning_module_state_dict() if fitting else {}
+        # Taken by every rank in the strategy's teardown, while the wrapper could still gather it.
+        weights = self._direct_strategy.take_final_model_state() if fitting else {}
         if self._strategy.local_rank != 0:
             return None
         weights_path = None

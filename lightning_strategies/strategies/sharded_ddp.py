@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_strategies.checkpoint import shallow_copy_state
 from lightning_strategies.strategies.base import DirectReferenceStrategy, StartMethod
+from lightning_strategies.strategies.optimizers import retarget_schedulers
 
 # Keyword arguments ShardedDataParallel accepts besides the module and the optimizers it builds from.
 SHARDED_DDP_KWARGS = frozenset(inspect.signature(ShardedDataParallel.__init__).parameters) - {
@@ -62,30 +63,6 @@ def _keep_gradient_views(optimizer: OSS) -> None:
         type(optimizer).zero_grad(optimizer, set_to_none=False)
 
     vars(optimizer)["zero_grad"] = zero_grad_in_place
-
-
-def _retarget_scheduler(scheduler: Any, old: Optimizer, new: Optimizer) -> None:
-    """Points an LR scheduler (and the schedulers it chains) that drove ``old`` at ``new``."""
-    for inner in getattr(scheduler, "_schedulers", ()):
-        _retarget_scheduler(inner, old, new)
-    if getattr(scheduler, "optimizer", None) is old:
-        scheduler.optimizer = new
-        # torch wraps the optimizer's step at scheduler creation to warn about a scheduler stepping first; the new
-        # optimizer was not wrapped, so mark it the way torch does, or every run would warn falsely.
-        _mark_step_tracked(new)
-
-
-def _mark_step_tracked(optimizer: Optimizer) -> None:
-    step = optimizer.step
-    if getattr(step, "_wrapped_by_lr_sched", False):
-        return
-
-    def tracked_step(*args: Any, **kwargs: Any) -> Any:
-        vars(optimizer)["_opt_called"] = True
-        return step(*args, **kwargs)
-
-    vars(tracked_step)["_wrapped_by_lr_sched"] = True
-    vars(optimizer)["step"] = tracked_step
 
 
 class ShardedDDPStrategy(DirectReferenceStrategy):
@@ -159,9 +136,7 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
         self.setup_optimizers(trainer)
         sharded = [_to_oss(optimizer, index) for index, optimizer in enumerate(self.optimizers)]
         for old, new in zip(self.optimizers, sharded, strict=True):
-            if old is not new:
-                for config in self.lr_scheduler_configs:
-                    _retarget_scheduler(config.scheduler, old, new)
+            retarget_schedulers(self.lr_scheduler_configs, old, new)
         if self._sharded_ddp_kwargs["reduce_buffer_size"] > 0:
             for optimizer in sharded:
                 _keep_gradient_views(optimizer)
