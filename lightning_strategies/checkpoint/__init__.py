@@ -17,6 +17,7 @@ from lightning_strategies.checkpoint.model_state import (
     WRAPPER_PREFIXES,
     check_model_state,
     load_model_state,
+    strip_wrapper_segments,
     to_cpu_state,
 )
 from lightning_strategies.checkpoint.optimizer_state import (
@@ -43,5 +44,6 @@ __all__ = [
     "read_checkpoint",
     "require_full_checkpoint",
     "shallow_copy_state",
+    "strip_wrapper_segments",
     "to_cpu_state",
 ]

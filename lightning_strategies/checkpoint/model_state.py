@@ -25,6 +25,20 @@ WRAPPER_PREFIXES = (
     "_checkpoint_wrapped_module.",
 )
 
+
+def strip_wrapper_segments(name: str, segments: tuple[str, ...]) -> str:
+    """Removes the dotted path segments a wrapper inserts, e.g. ``a._fsdp_wrapped_module.b`` -> ``a.b``.
+
+    Args:
+        name: A parameter, buffer or module path as seen through wrappers.
+        segments: The wrapper's own attribute names (whole segments only, so a user's ``module`` stays).
+
+    Returns:
+        The path as the unwrapped module names it.
+    """
+    return ".".join(part for part in name.split(".") if part not in segments)
+
+
 _LISTED = 10  # names shown per category in an error message; the rest are counted
 
 

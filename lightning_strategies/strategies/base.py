@@ -300,7 +300,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         ):
             # The launcher sends the trained weights to the main process after teardown, when the wrapper that
             # could gather them is gone: take them now, while every rank still holds its shard.
-            self._final_model_state = self.lightning_module_state_dict()
+            self._final_model_state = self.full_model_state()
         if self._precision_plugin is not None:
             vars(self._precision_plugin).pop("clip_grad_by_norm", None)
         if module is not None:
@@ -350,6 +350,10 @@ class DirectReferenceStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model state a checkpoint holds: by default :meth:`full_model_state`."""
+        return self.full_model_state()
+
+    def full_model_state(self) -> dict[str, Any]:
         """Canonical model state on global rank 0 (the unwrapped module's keys, full CPU tensors); ``{}`` elsewhere.
 
         Every rank must call it: subclasses may gather with collectives.

@@ -1,0 +1,59 @@
+"""Between canonical tensors and the flat, padded, per-rank shards that FSDP-style wrappers train.
+
+A wrapper flattens a list of parameters (shapes ``s_1 .. s_n``) into one 1-D tensor, pads it to a multiple of the
+world size and gives rank ``r`` the ``r``-th equal chunk. Optimizer state of such a parameter has the chunk's shape.
+These functions go both ways without knowing the wrapper; the gather sends every shard to rank 0 only, so no other
+rank ever holds a full tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def shard_size(numel: int, world_size: int) -> int:
+    """Elements per rank for a flat tensor of ``numel`` elements padded to a multiple of ``world_size``."""
+    return -(-numel // world_size)
+
+
+def split_full(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
+    """Cuts an unpadded full flat tensor into independent tensors of the given shapes."""
+    numels = [shape.numel() for shape in shapes]
+    if flat.numel() != sum(numels):
+        raise ValueError(f"flat tensor has {flat.numel()} elements, the shapes {list(shapes)} need {sum(numels)}")
+    parts = torch.split(flat, numels)
+    return [part.view(shape).clone() for part, shape in zip(parts, shapes, strict=True)]
+
+
+def local_shard(tensors: Sequence[Tensor], rank: int, world_size: int) -> Tensor:
+    """Rank ``rank``'s padded chunk of the tensors flattened one after another."""
+    flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+    size = shard_size(flat.numel(), world_size)
+    padded = torch.nn.functional.pad(flat, (0, size * world_size - flat.numel()))
+    return padded[rank * size : (rank + 1) * size].clone()
+
+
+def gather_full(shard: Tensor, numel: int, group: Any = None) -> Tensor | None:
+    """Gathers equal-sized shards to the group's rank 0 and returns the unpadded flat tensor there (``None`` elsewhere).
+
+    Args:
+        shard: This rank's 1-D chunk (all ranks' chunks have the same size).
+        numel: Elements of the unpadded full tensor.
+        group: The process group the tensor is sharded over (default: the world).
+
+    Returns:
+        The full flat tensor (on the shard's device) on the group's first rank, ``None`` on the others.
+    """
+    world_size = dist.get_world_size(group)
+    destination = dist.get_global_rank(group, 0) if group is not None else 0
+    is_destination = dist.get_rank() == destination
+    chunks = [torch.empty_like(shard) for _ in range(world_size)] if is_destination else None
+    dist.gather(shard.contiguous(), chunks, dst=destination, group=group)
+    if chunks is None:
+        return None
+    return torch.cat(chunks)[:numel]

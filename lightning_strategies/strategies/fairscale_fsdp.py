@@ -1,0 +1,577 @@
+"""fairscale FullyShardedDataParallel: parameters, gradients and optimizer state sharded across ranks.
+
+This is the strategy of Lightning issue 13500. Its checkpoints are canonical because state is gathered through the
+root wrapper (model) and from the flat shards the optimizer actually steps (optimizer), re-keyed by parameter name
+into torch's layout; loading goes the other way. Parameter names come from the flat parameters' own metadata, with
+fairscale's path segments removed, and are checked against the canonical keys.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from fairscale.nn.data_parallel import FullyShardedDataParallel
+from fairscale.nn.misc.flatten_params_wrapper import FlatParameter
+from fairscale.nn.wrap import auto_wrap, default_auto_wrap_policy, enable_wrap
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.strategies.registry import _StrategyRegistry
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from lightning_fabric.utilities.types import _PATH
+from pytorch_lightning.plugins.precision import Precision
+from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
+from torch.nn import Module, Parameter
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_strategies import fairscale_cpu
+from lightning_strategies.checkpoint import (
+    METADATA_KEY,
+    CheckpointFormatError,
+    CheckpointMetadata,
+    check_model_state,
+    read_checkpoint,
+    strip_wrapper_segments,
+    to_cpu_state,
+)
+from lightning_strategies.checkpoint.flat import gather_full, local_shard, split_full
+from lightning_strategies.strategies.base import DirectReferenceStrategy, StartMethod
+from lightning_strategies.strategies.optimizers import rebuild_optimizer, retarget_schedulers
+
+FSDP = FullyShardedDataParallel
+
+# Attribute names fairscale puts into module paths: FSDP's wrapped module and the flatten wrapper's module.
+FAIRSCALE_SEGMENTS = ("_fsdp_wrapped_module", "_fpw_module")
+
+FSDP_KWARGS = frozenset(inspect.signature(FSDP.__init__).parameters) - {"self", "module", "compute_device"}
+
+SHARDED_RANK_FILE = "rank{rank}.pt"
+SHARDED_META_FILE = "meta.pt"
+
+
+def _canonical(path: str) -> str:
+    return strip_wrapper_segments(path, FAIRSCALE_SEGMENTS)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _fsdp_instances(module: Module) -> list[tuple[str, FSDP]]:
+    return [(_canonical(path), instance) for path, instance in module.named_modules() if isinstance(instance, FSDP)]
+
+
+def _parameter_names(module: Module) -> dict[int, list[str]]:
+    """Canonical names of the original parameters held by each parameter object of ``module`` (wrapped or not)."""
+    names: dict[int, list[str]] = {}
+    for prefix, instance in _fsdp_instances(module):
+        for param in instance.params:
+            if isinstance(param, FlatParameter):
+                flat_names = param.metadata()[0]
+                names[id(param)] = [_join(prefix, _canonical(name)) for name in flat_names]
+    for name, param in module.named_parameters():
+        names.setdefault(id(param), [_canonical(name)])
+    return names
+
+
+def _wrap_by_param_group(module: Module, group_of: Mapping[int, Any], kwargs: Mapping[str, Any]) -> None:
+    """Gives each submodule whose parameters share one param group its own FSDP where its parent mixes groups.
+
+    One flat parameter has one set of hyper-parameters, so param groups by submodule (the usual way to give an
+    encoder and a head different learning rates) need those submodules flattened apart. Parameters no optimizer
+    holds form a group of their own.
+    """
+
+    def groups(candidate: Module) -> set[Any]:
+        return {group_of.get(id(param)) for param in candidate.parameters()}
+
+    def visit(parent: Module) -> None:
+        for name, child in list(parent.named_children()):
+            if isinstance(child, FSDP):
+                continue
+            child_groups = groups(child)
+            if len(child_groups) == 1:
+                setattr(parent, name, FSDP(child, **kwargs))
+            elif len(child_groups) > 1:
+                visit(child)
+
+    if len(groups(module)) > 1:
+        visit(module)
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """A parameter the optimizer steps: a flat parameter, or one sharded original parameter."""
+
+    param: Parameter
+    names: list[str]
+    shapes: list[torch.Size]
+    instance: FSDP
+
+    @property
+    def numel(self) -> int:
+        return sum(shape.numel() for shape in self.shapes)
+
+
+def _units(root: FSDP) -> list[_Unit]:
+    names = _parameter_names(root)
+    units = []
+    for _, instance in _fsdp_instances(root):
+        for param in instance.params:
+            # A flat parameter lists what it holds; a sharded original parameter remembers its full size.
+            if isinstance(param, FlatParameter):
+                shapes = list(param.metadata()[1])
+            else:
+                shapes = [torch.Size(getattr(param, "_orig_size"))]  # noqa: B009
+            units.append(_Unit(param, names[id(param)], shapes, instance))
+    return units
+
+
+@dataclass
+class _Layout:
+    """How one optimizer's canonical param groups (by name) map onto the units it steps."""
+
+    group_names: list[list[str]]
+    group_units: list[list[_Unit]] = field(default_factory=list)
+
+    @property
+    def index(self) -> dict[str, int]:
+        return {name: index for index, name in enumerate(name for group in self.group_names for name in group)}
+
+    @property
+    def shapes(self) -> list[list[torch.Size]]:
+        shape_of = {
+            name: shape
+            for units in self.group_units
+            for unit in units
+            for name, shape in zip(unit.names, unit.shapes, strict=True)
+        }
+        return [[shape_of[name] for name in group] for group in self.group_names]
+
+    @property
+    def flat_units(self) -> list[_Unit]:
+        return [unit for units in self.group_units for unit in units]
+
+
+def _layout(optimizer: Optimizer, names_of: Mapping[int, list[str]], units: Sequence[_Unit], index: int) -> _Layout:
+    """Assigns each unit to the param group holding its parameters; refuses what a flat parameter cannot represent."""
+    foreign = [
+        position
+        for group in optimizer.param_groups
+        for position, p in enumerate(group["params"])
+        if id(p) not in names_of
+    ]
+    if foreign:
+        raise ValueError(
+            f"Optimizer {index} ({type(optimizer).__name__}) holds {len(foreign)} parameter(s) that are not the"
+            " LightningModule's. Build it from self.parameters() (or submodules' parameters) in configure_optimizers()."
+        )
+    group_names = [
+        [name for param in group["params"] for name in names_of[id(param)]] for group in optimizer.param_groups
+    ]
+    group_of = {name: group for group, names in enumerate(group_names) for name in names}
+    layout = _Layout(group_names, [[] for _ in group_names])
+    for unit in units:
+        groups = {group_of.get(name) for name in unit.names}
+        if groups == {None}:
+            continue  # not optimized (e.g. frozen)
+        if len(groups) > 1:
+            by_group: dict[str, list[str]] = {}
+            for name in unit.names:
+                group = group_of.get(name)
+                by_group.setdefault("not optimized" if group is None else f"group {group}", []).append(name)
+            listing = "; ".join(f"{where}: {', '.join(names)}" for where, names in by_group.items())
+            raise ValueError(
+                f"Optimizer {index} ({type(optimizer).__name__}) treats parameters differently that fairscale FSDP"
+                f" flattened into one tensor ({listing}). One flat parameter can only have one set of"
+                " hyper-parameters. Wrap those submodules separately (fairscale.nn.wrap in configure_model, or a"
+                " smaller auto_wrap_min_params), or pass flatten_parameters=False."
+            )
+        group = groups.pop()
+        if group is not None:
+            layout.group_units[group].append(unit)
+    return layout
+
+
+class FairScaleFSDPStrategy(DirectReferenceStrategy):
+    """Fully sharded data parallel training with fairscale ``FullyShardedDataParallel``.
+
+    The LightningModule is wrapped in a root FSDP (large submodules first, by ``auto_wrap_min_params``; submodules the
+    user wrapped in ``configure_model`` with ``fairscale.nn.wrap`` are kept). ``configure_optimizers()`` is written as
+    usual (``Adam(self.parameters())``, groups by submodule, schedulers): its optimizers are re-created over the
+    parameters FSDP trains. Checkpoints are canonical (``state_dict_type="full"``, default) or one file per rank
+    (``"sharded"``). With ``accelerator="cpu"`` the scoped patches of :mod:`lightning_strategies.fairscale_cpu` are
+    applied while the strategy runs.
+
+    Args:
+        accelerator: The accelerator (set by the Trainer when omitted).
+        parallel_devices: Devices of this node (set by the Trainer when omitted).
+        cluster_environment: Cluster environment (set by the Trainer when omitted).
+        checkpoint_io: Checkpoint IO plugin.
+        precision_plugin: Precision plugin.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
+        timeout: Timeout of collective operations.
+        start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        auto_wrap_min_params: Submodules with at least this many parameters get their own FSDP; ``None`` wraps only
+            the root. Ignored when ``configure_model`` already wrapped submodules.
+        state_dict_type: ``"full"`` (one canonical file) or ``"sharded"`` (a directory, one file per rank).
+        **fsdp_kwargs: Passed to every ``FullyShardedDataParallel``: ``flatten_parameters``,
+            ``reshard_after_forward``, ``mixed_precision``, ``compute_dtype``, ``fp32_reduce_scatter``,
+            ``bucket_cap_mb``, ``cpu_offload``, ``move_grads_to_cpu``, ``state_dict_on_rank_0_only`` (default
+            ``True`` here), ...
+
+    Raises:
+        TypeError: A keyword argument that ``FullyShardedDataParallel`` does not take.
+        ValueError: An unknown ``state_dict_type``.
+    """
+
+    strategy_name = "fsdp_fairscale"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        auto_wrap_min_params: int | None = 100_000_000,
+        state_dict_type: Literal["full", "sharded"] = "full",
+        **fsdp_kwargs: Any,
+    ) -> None:
+        unknown = sorted(set(fsdp_kwargs) - FSDP_KWARGS)
+        if unknown:
+            raise TypeError(
+                f"FairScaleFSDPStrategy got keyword argument(s) {', '.join(unknown)} that fairscale's"
+                f" FullyShardedDataParallel does not take. It takes: {', '.join(sorted(FSDP_KWARGS))}"
+                " (compute_device is set from the Trainer's device)."
+            )
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._fsdp_kwargs = {"state_dict_on_rank_0_only": True, **fsdp_kwargs}
+        self._auto_wrap_min_params = auto_wrap_min_params
+        self._state_dict_type = state_dict_type
+        self._cpu_patched = False
+        self._units: list[_Unit] = []
+        self._layouts: dict[int, _Layout] = {}
+        self._loaded_sharded = False
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Registers ``fsdp_fairscale`` (and ``_spawn``, ``_fork``) and ``fsdp_fairscale_offload``."""
+        super().register_strategies(strategy_registry)
+        strategy_registry.register(
+            "fsdp_fairscale_offload",
+            cls,
+            description="FairScaleFSDPStrategy with parameters and gradients offloaded to the CPU",
+            override=True,
+            cpu_offload=True,
+            move_grads_to_cpu=True,
+        )
+
+    # ------------------------------------------------------------------ environment and wrapping
+
+    @property
+    def _offloads(self) -> bool:
+        return bool(self._fsdp_kwargs.get("cpu_offload") or self._fsdp_kwargs.get("move_params_to_cpu"))
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.root_device.type == "cpu" and not self._cpu_patched:
+            pin_memory = self._offloads or bool(self._fsdp_kwargs.get("move_grads_to_cpu"))
+            self._cpu_patched = fairscale_cpu.install(pin_memory=pin_memory)
+            if self._cpu_patched:
+                rank_zero_warn("fairscale FSDP runs on the CPU through scoped patches: for development and testing.")
+
+    def _wrapper_kwargs(self) -> dict[str, Any]:
+        return {**self._fsdp_kwargs, "compute_device": self.root_device}
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Inside ``configure_model``, ``fairscale.nn.wrap(submodule)`` wraps with this strategy's options."""
+        with enable_wrap(wrapper_cls=FSDP, **self._wrapper_kwargs()):
+            yield
+
+    def _wrap(self, module: pl.LightningModule, group_of: Mapping[int, Any] | None = None) -> FSDP:
+        kwargs = self._wrapper_kwargs()
+        user_wrapped = any(isinstance(child, FSDP) for child in module.modules())
+        if not user_wrapped and self._auto_wrap_min_params is not None:
+            policy = functools.partial(default_auto_wrap_policy, min_num_params=self._auto_wrap_min_params)
+            with enable_wrap(wrapper_cls=FSDP, **kwargs):
+                for name, child in list(module.named_children()):
+                    setattr(module, name, auto_wrap(child, auto_wrap_policy=policy))
+        if group_of and self._fsdp_kwargs.get("flatten_parameters", True):
+            _wrap_by_param_group(module, group_of, kwargs)
+        return FSDP(module, **kwargs)
+
+    @override
+    def model_to_device(self) -> None:
+        if not self._offloads:  # with offloading FSDP moves what it computes with itself
+            super().model_to_device()
+
+    @override
+    def configure_for_fit(self, trainer: pl.Trainer) -> None:
+        module = self.require_lightning_module()
+        names_before = _parameter_names(module)
+        self.setup_optimizers(trainer)  # the user's optimizers, over the parameters as configure_optimizers saw them
+        group_of = {
+            id(param): (index, group_index)
+            for index, optimizer in enumerate(self.optimizers)
+            for group_index, group in enumerate(optimizer.param_groups)
+            for param in group["params"]
+        }
+        root = self._wrap(module, group_of)
+        self._units = _units(root)
+        optimizers = []
+        for index, optimizer in enumerate(self.optimizers):
+            layout = _layout(optimizer, names_before, self._units, index)
+            groups = [
+                {**{key: value for key, value in group.items() if key != "params"}, "params": [u.param for u in units]}
+                for group, units in zip(optimizer.param_groups, layout.group_units, strict=True)
+            ]
+            rebuilt = rebuild_optimizer(optimizer, groups, index)
+            retarget_schedulers(self.lr_scheduler_configs, optimizer, rebuilt)
+            self._layouts[id(rebuilt)] = layout
+            optimizers.append(rebuilt)
+        self.optimizers = optimizers
+        self.model = root
+
+    @override
+    def configure_for_evaluation(self, trainer: pl.Trainer) -> None:
+        root = self._wrap(self.require_lightning_module())
+        self._units = _units(root)
+        self.model = root
+
+    def _root(self) -> FSDP:
+        if not isinstance(self.model, FSDP):
+            raise RuntimeError("FairScaleFSDPStrategy has no FSDP root yet: it is created in Trainer.fit/validate.")
+        return self.model
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if isinstance(self.model, FSDP):
+            with self.model.no_sync():
+                yield None
+        else:
+            yield None
+
+    @property
+    @override
+    def gradients_are_sharded(self) -> bool:
+        return isinstance(self.model, FSDP)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        # Each rank holds a shard of every gradient: the root computes the norm across ranks.
+        self._root().clip_grad_norm_(clip_val)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()  # gathers the final weights for the launcher: the patches must still be in place
+        self._units, self._layouts = [], {}
+        if self._cpu_patched:
+            fairscale_cpu.uninstall()
+            self._cpu_patched = False
+
+    # ------------------------------------------------------------------ model state
+
+    def _expected_model_state(self) -> dict[str, Tensor]:
+        """Canonical keys with meta tensors of the canonical shapes and dtypes (no memory, no collective)."""
+        expected: dict[str, Tensor] = {}
+        for unit in self._units:
+            for name, shape in zip(unit.names, unit.shapes, strict=True):
+                expected[name] = torch.empty(shape, dtype=unit.param.dtype, device="meta")
+        for path, submodule in self._root().named_modules():
+            for name, buffer in submodule._buffers.items():
+                if buffer is not None and name not in submodule._non_persistent_buffers_set:
+                    expected[_canonical(_join(path, name))] = torch.empty(
+                        buffer.shape, dtype=buffer.dtype, device="meta"
+                    )
+        return expected
+
+    @override
+    def _canonical_model_state(self) -> dict[str, Any]:
+        state = self._root().state_dict()  # gathered through the root wrapper: canonical keys, full tensors
+        return to_cpu_state(state) if self.is_global_zero else {}
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._state_dict_type == "sharded":  # every rank keeps its own shard: no gather
+            return dict(self._root().local_state_dict())
+        return super().lightning_module_state_dict()
+
+    @override
+    def _load_canonical_model_state(self, state: Mapping[str, Any], strict: bool) -> None:
+        root = self._root()
+        check_model_state(self._expected_model_state(), state, strict=strict, source=self._checkpoint_source)
+        root.load_state_dict(dict(state), strict=strict)
+
+    # ------------------------------------------------------------------ optimizer state
+
+    def _layout_of(self, optimizer: Optimizer) -> _Layout:
+        layout = self._layouts.get(id(optimizer))
+        if layout is None:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} was not created by FairScaleFSDPStrategy; optimizers must come from"
+                " configure_optimizers()."
+            )
+        return layout
+
+    @override
+    def _canonical_param_shapes(self, optimizer: Optimizer) -> list[list[torch.Size]]:
+        return self._layout_of(optimizer).shapes
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._state_dict_type == "sharded":
+            raw = getattr(optimizer, "_optimizer", optimizer)
+            return dict(raw.state_dict())
+        return super().optimizer_state(optimizer)
+
+    @override
+    def _canonical_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        layout = self._layout_of(optimizer)
+        index = layout.index
+        state: dict[int, dict[str, Any]] = {}
+        for unit in layout.flat_units:
+            for key, value in optimizer.state.get(unit.param, {}).items():
+                if isinstance(value, Tensor) and value.dim() > 0:
+                    full = gather_full(value, unit.numel, unit.instance.process_group)
+                    parts = split_full(full.cpu(), unit.shapes) if full is not None else []
+                else:  # a scalar such as Adam's step: one independent copy per parameter (steps count in place)
+                    parts = [value.detach().cpu().clone() if isinstance(value, Tensor) else value for _ in unit.names]
+                for name, part in zip(unit.names, parts, strict=False):
+                    state.setdefault(index[name], {})[key] = part
+        if not self.is_global_zero:
+            return {}
+        groups = [
+            {**{key: value for key, value in group.items() if key != "params"}, "params": [index[n] for n in names]}
+            for group, names in zip(optimizer.param_groups, layout.group_names, strict=True)
+        ]
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    @override
+    def _load_canonical_optimizer_state(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
+        layout = self._layout_of(optimizer)
+        index = layout.index
+        flat_state: dict[int, dict[str, Any]] = {}
+        for flat_index, unit in enumerate(layout.flat_units):
+            entries = [state["state"].get(index[name]) for name in unit.names]
+            present = [entry for entry in entries if entry]
+            if not present:
+                continue
+            flat_state[flat_index] = {}
+            for key in dict.fromkeys(key for entry in present for key in entry):
+                sample = next(entry[key] for entry in present if key in entry)
+                if isinstance(sample, Tensor) and sample.dim() > 0:
+                    # A parameter that never had a gradient has no state in a plain optimizer: zeros stand in.
+                    tensors = [
+                        entry[key] if entry and key in entry else torch.zeros(shape, dtype=sample.dtype)
+                        for entry, shape in zip(entries, unit.shapes, strict=True)
+                    ]
+                    shard = local_shard(tensors, unit.instance.rank, unit.instance.world_size)
+                    flat_state[flat_index][key] = shard.to(unit.param.device)
+                else:
+                    flat_state[flat_index][key] = sample.clone() if isinstance(sample, Tensor) else sample
+        flat_groups = []
+        position = 0
+        for group, units in zip(state["param_groups"], layout.group_units, strict=True):
+            hyper = {key: value for key, value in group.items() if key != "params"}
+            flat_groups.append({**hyper, "params": list(range(position, position + len(units)))})
+            position += len(units)
+        optimizer.load_state_dict({"state": flat_state, "param_groups": flat_groups})
+
+    # ------------------------------------------------------------------ sharded checkpoints
+
+    @override
+    def checkpoint_metadata(self) -> CheckpointMetadata:
+        metadata = super().checkpoint_metadata()
+        return CheckpointMetadata(
+            metadata.format_version, metadata.strategy, metadata.world_size, self._state_dict_type
+        )
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self._state_dict_type == "full":
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        directory = Path(filepath)
+        directory.mkdir(parents=True, exist_ok=True)
+        shard = {"state_dict": checkpoint["state_dict"], "optimizer_states": checkpoint.get("optimizer_states", [])}
+        self.checkpoint_io.save_checkpoint(shard, directory / SHARDED_RANK_FILE.format(rank=self.global_rank))
+        if self.is_global_zero:
+            rest = {key: value for key, value in checkpoint.items() if key not in shard}
+            rest[METADATA_KEY] = self.checkpoint_metadata().to_dict()
+            self.checkpoint_io.save_checkpoint(rest, directory / SHARDED_META_FILE)
+        self.barrier("sharded checkpoint written")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        directory = Path(checkpoint_path)
+        if not directory.is_dir():
+            self._loaded_sharded = False
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        source = f"Sharded checkpoint {str(directory)!r}"
+        self._checkpoint_source = source
+        meta_path = directory / SHARDED_META_FILE
+        if not meta_path.exists():
+            raise CheckpointFormatError(f"{source} has no {SHARDED_META_FILE}; it is not a sharded checkpoint.")
+        meta = read_checkpoint(meta_path)
+        metadata = CheckpointMetadata.read(meta, source=source)
+        if metadata is None or metadata.state_dict_type != "sharded":
+            raise CheckpointFormatError(f"{source}: {SHARDED_META_FILE} does not describe a sharded checkpoint.")
+        if metadata.strategy != self.strategy_name or metadata.world_size != self.world_size:
+            raise CheckpointFormatError(
+                f"{source} was written by {metadata.strategy!r} at world size {metadata.world_size}; this run is"
+                f" {self.strategy_name!r} at world size {self.world_size}. A sharded checkpoint resumes only where it"
+                " was written: consolidate it into a full checkpoint (lightning-strategies consolidate) to move it."
+            )
+        rank_path = directory / SHARDED_RANK_FILE.format(rank=self.global_rank)
+        if not rank_path.exists():
+            raise CheckpointFormatError(f"{source} lacks {rank_path.name}: the save did not finish on every rank.")
+        shard = read_checkpoint(rank_path)
+        self._loaded_sharded = True
+        return {**meta, **shard}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self._loaded_sharded:
+            super().load_model_state_dict(checkpoint, strict)
+            return
+        root = self._root()
+        for _, instance in _fsdp_instances(root):
+            instance._lazy_init()  # load_local_state_dict needs every instance initialised
+        root.load_local_state_dict(checkpoint["state_dict"], strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self._loaded_sharded:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        for optimizer, state in zip(self._raw_optimizers(), checkpoint["optimizer_states"], strict=True):
+            optimizer.load_state_dict(dict(state))
