@@ -126,8 +126,13 @@ PATCHES: tuple[Patch, ...] = (
     Patch("record_stream", torch.Tensor, "record_stream", _record_stream, "aten::record_stream has no CPU kernel"),
     Patch("synchronize", torch.cuda, "synchronize", _synchronize, "summon_full_params and local loads need CUDA"),
     Patch("calc_grad_norm", fsdp_module, "calc_grad_norm", _calc_grad_norm, "clip_grad_norm_ moves the norm to CUDA"),
-    Patch("list_collectives", bucketer_module, "enable_nccl_base_collectives", False, "gloo rejects the 2-D input"),
-    Patch("list_collectives_fsdp", fsdp_module, "enable_nccl_base_collectives", False, "gloo lacks _all_gather_base"),
+    Patch(
+        "list_collectives",
+        bucketer_module,
+        "enable_nccl_base_collectives",
+        False,
+        "gloo rejects the reduce-scatter bucket's 2-D input",
+    ),
     Patch(
         "gather_optim_state",
         FullyShardedDataParallel,

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import Strategy
 
 from lightning_strategies import ShardedDDPStrategy
@@ -44,6 +45,20 @@ def assert_same_weights(left: torch.nn.Module, right: torch.nn.Module, atol: flo
         assert torch.allclose(value, right_state[key], atol=atol, rtol=0), (
             f"{key} differs by {(value - right_state[key]).abs().max()}"
         )
+
+
+def train_and_save(strategy: Any, directory: Path, optimizer: str = "adam") -> Path:
+    checkpoints = ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)
+    fit(strategy, new_model(optimizer), callbacks=[checkpoints], max_epochs=1, enable_checkpointing=True)
+    return directory / "epoch=0.ckpt"
+
+
+def comparable_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "state": {index: dict(entries) for index, entries in state["state"].items()},
+        "lrs": [group["lr"] for group in state["param_groups"]],
+        "params": [group["params"] for group in state["param_groups"]],
+    }
 
 
 class RankRecorder(pl.Callback):

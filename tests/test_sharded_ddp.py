@@ -11,12 +11,19 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
-from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import StrategyRegistry
 
 from lightning_strategies import ShardedDDPStrategy
 from lightning_strategies.testing import ConformanceModel, make_dataset
-from tests.helpers import RankRecorder, SaveOnTrainStart, assert_same_weights, fit, new_model
+from tests.helpers import (
+    RankRecorder,
+    SaveOnTrainStart,
+    assert_same_weights,
+    comparable_optimizer_state,
+    fit,
+    new_model,
+    train_and_save,
+)
 
 # ---------------------------------------------------------------------------------------------- construction
 
@@ -210,20 +217,6 @@ def test_checkpoint_optimizer_state_is_consolidated_on_rank_0_only(tmp_path: Pat
     assert rank1 == {"optimizer_params_with_state": [], "model_keys": 0}
 
 
-def _train_and_save(strategy: Any, directory: Path, optimizer: str = "adam") -> Path:
-    checkpoints = ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)
-    fit(strategy, new_model(optimizer), callbacks=[checkpoints], max_epochs=1, enable_checkpointing=True)
-    return directory / "epoch=0.ckpt"
-
-
-def _comparable_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "state": {index: dict(entries) for index, entries in state["state"].items()},
-        "lrs": [group["lr"] for group in state["param_groups"]],
-        "params": [group["params"] for group in state["param_groups"]],
-    }
-
-
 @pytest.mark.parametrize(
     ("saved_by", "resumed_by"),
     [("ddp_sharded_fork", "ddp_sharded_fork"), ("ddp_sharded_fork", "ddp_fork"), ("ddp_fork", "ddp_sharded_fork")],
@@ -232,7 +225,7 @@ def _comparable_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
 def test_resuming_restores_model_and_optimizer_state_exactly(
     tmp_path: Path, saved_by: str, resumed_by: str, optimizer: str
 ) -> None:
-    saved = _train_and_save(saved_by, tmp_path / "saved", optimizer)
+    saved = train_and_save(saved_by, tmp_path / "saved", optimizer)
     restored = tmp_path / "restored.ckpt"
     fit(
         resumed_by, new_model(optimizer, seed=11), ckpt_path=saved, callbacks=[SaveOnTrainStart(restored)], max_epochs=2
@@ -243,8 +236,8 @@ def test_resuming_restores_model_and_optimizer_state_exactly(
     assert before["state_dict"].keys() == after["state_dict"].keys()
     for key, value in before["state_dict"].items():
         assert torch.equal(value, after["state_dict"][key]), key
-    expected = _comparable_optimizer_state(before["optimizer_states"][0])
-    got = _comparable_optimizer_state(after["optimizer_states"][0])
+    expected = comparable_optimizer_state(before["optimizer_states"][0])
+    got = comparable_optimizer_state(after["optimizer_states"][0])
     assert expected["lrs"] == got["lrs"] and expected["params"] == got["params"]
     for index, entries in expected["state"].items():
         for name, value in entries.items():
@@ -263,7 +256,7 @@ def test_interrupting_and_resuming_with_another_strategy_equals_an_uninterrupted
 ) -> None:
     uninterrupted = new_model()
     fit(saved_by, uninterrupted, max_epochs=2)
-    saved = _train_and_save(saved_by, tmp_path)
+    saved = train_and_save(saved_by, tmp_path)
     # Same seed: Lightning's DistributedSampler shuffles the training data with the global seed.
     resumed = new_model()
     fit(resumed_by, resumed, ckpt_path=saved, max_epochs=2)
@@ -272,7 +265,7 @@ def test_interrupting_and_resuming_with_another_strategy_equals_an_uninterrupted
 
 
 def test_checkpoints_carry_the_metadata_block(tmp_path: Path) -> None:
-    checkpoint = torch.load(_train_and_save("ddp_sharded_fork", tmp_path), weights_only=True)
+    checkpoint = torch.load(train_and_save("ddp_sharded_fork", tmp_path), weights_only=True)
     assert checkpoint["lightning_strategies"] == {
         "format_version": 1,
         "strategy": "ddp_sharded",
@@ -298,7 +291,7 @@ def test_test_without_fit_computes_the_plain_modules_loss() -> None:
 
 
 def test_validate_from_a_checkpoint_uses_its_weights(tmp_path: Path) -> None:
-    saved = _train_and_save("ddp_sharded_fork", tmp_path)
+    saved = train_and_save("ddp_sharded_fork", tmp_path)
     trainer = pl.Trainer(
         strategy="ddp_sharded_fork", accelerator="cpu", devices=2, logger=False, enable_progress_bar=False
     )

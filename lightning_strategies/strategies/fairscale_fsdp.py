@@ -24,8 +24,8 @@ from fairscale.nn.misc.flatten_params_wrapper import FlatParameter
 from fairscale.nn.wrap import auto_wrap, default_auto_wrap_policy, enable_wrap
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.strategies.registry import _StrategyRegistry
-from lightning_utilities.core.rank_zero import rank_zero_warn
 from lightning_fabric.utilities.types import _PATH
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from pytorch_lightning.plugins.precision import Precision
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
@@ -84,28 +84,33 @@ def _parameter_names(module: Module) -> dict[int, list[str]]:
 
 
 def _wrap_by_param_group(module: Module, group_of: Mapping[int, Any], kwargs: Mapping[str, Any]) -> None:
-    """Gives each submodule whose parameters share one param group its own FSDP where its parent mixes groups.
+    """Gives submodules of other param groups than the root's their own FSDP, so no flat parameter mixes groups.
 
     One flat parameter has one set of hyper-parameters, so param groups by submodule (the usual way to give an
-    encoder and a head different learning rates) need those submodules flattened apart. Parameters no optimizer
-    holds form a group of their own.
+    encoder and a head different learning rates) need those submodules flattened apart. The group of the root's own
+    parameters (or else the first group) stays in the root's flat parameter, which must not be empty. Parameters no
+    optimizer holds form a group of their own.
     """
 
-    def groups(candidate: Module) -> set[Any]:
-        return {group_of.get(id(param)) for param in candidate.parameters()}
+    def groups(candidate: Module, recurse: bool = True) -> list[Any]:
+        return list(dict.fromkeys(group_of.get(id(param)) for param in candidate.parameters(recurse=recurse)))
 
-    def visit(parent: Module) -> None:
+    def visit(parent: Module, root_group: Any) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, FSDP):
                 continue
             child_groups = groups(child)
+            if child_groups == [root_group] or not child_groups:
+                continue
             if len(child_groups) == 1:
                 setattr(parent, name, FSDP(child, **kwargs))
-            elif len(child_groups) > 1:
-                visit(child)
+            else:
+                visit(child, root_group)
 
-    if len(groups(module)) > 1:
-        visit(module)
+    all_groups = groups(module)
+    if len(all_groups) > 1:
+        own = groups(module, recurse=False)
+        visit(module, own[0] if own else all_groups[0])
 
 
 @dataclass(frozen=True)

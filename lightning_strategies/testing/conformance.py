@@ -163,17 +163,27 @@ def _read_records(root: Path, stage: str, devices: int) -> tuple[list[dict[str, 
 
 
 class _Kit:
-    def __init__(self, factory: StrategyFactory, workdir: Path, devices: int, optimizer: OptimizerName) -> None:
+    def __init__(
+        self,
+        factory: StrategyFactory,
+        workdir: Path,
+        devices: int,
+        optimizer: OptimizerName,
+        model_class: type[ConformanceModel],
+        atol: float,
+    ) -> None:
         self.factory = factory
         self.workdir = workdir
         self.devices = devices
         self.optimizer: OptimizerName = optimizer
+        self.model_class = model_class
+        self.atol = atol
         self.report = ConformanceReport(_strategy_label(factory))
         self.seed = 7
 
     def model(self, record_dir: Path | None) -> ConformanceModel:
         pl.seed_everything(self.seed, verbose=False)
-        return ConformanceModel(optimizer=self.optimizer, record_dir=str(record_dir) if record_dir else None)
+        return self.model_class(optimizer=self.optimizer, record_dir=str(record_dir) if record_dir else None)
 
     def run(self, name: str, action: Callable[[], Any]) -> Any:
         try:
@@ -260,7 +270,7 @@ class _Kit:
             return
         recorded = [torch.load(path, weights_only=True) for path in outputs]
         differences = [float((output - expected).abs().max()) for output in recorded]
-        passed = max(differences) <= ATOL
+        passed = max(differences) <= self.atol
         detail = (
             "the checkpoint's weights give each rank's model output at save time"
             if passed
@@ -270,7 +280,7 @@ class _Kit:
 
     def check_load_from_checkpoint(self, checkpoint_path: Path, state: Mapping[str, Any]) -> None:
         def load() -> ConformanceModel:
-            return ConformanceModel.load_from_checkpoint(checkpoint_path, strict=True, weights_only=True)
+            return self.model_class.load_from_checkpoint(checkpoint_path, strict=True, weights_only=True)
 
         loaded = self.run("load_from_checkpoint", load)
         if loaded is not None:
@@ -381,7 +391,7 @@ class _Kit:
             got = float(results[0]["val_loss"])
             self.report.add(
                 "validate_from_checkpoint",
-                abs(got - expected_loss) <= RESUME_ATOL,
+                abs(got - expected_loss) <= max(self.atol, RESUME_ATOL),
                 f"val_loss {got:.6f}, plain module on the same data {expected_loss:.6f}",
             )
         model = self.model(root)
@@ -404,7 +414,7 @@ class _Kit:
             with torch.no_grad():
                 expected = plain(inputs[rank :: self.devices])  # DistributedSampler order without shuffling
             got = torch.load(path, weights_only=True)
-            if got.shape != expected.shape or not torch.allclose(got, expected, atol=ATOL):
+            if got.shape != expected.shape or not torch.allclose(got.float(), expected, atol=self.atol):
                 problems.append(f"rank {rank}'s predictions differ from the plain module's")
         self.report.add(
             "predict_without_fit",
@@ -420,6 +430,8 @@ def check_strategy(
     *,
     devices: int = 2,
     optimizer: OptimizerName = "adam",
+    model_class: type[ConformanceModel] = ConformanceModel,
+    atol: float = ATOL,
 ) -> ConformanceReport:
     """Checks a strategy against the direct-reference contract and returns a report (it never raises on failure).
 
@@ -429,11 +441,15 @@ def check_strategy(
         workdir: An empty directory for checkpoints and per-rank records.
         devices: Number of CPU processes (1 for single-device strategies).
         optimizer: ``"adam"`` or ``"sgd"`` (with momentum) in the conformance model.
+        model_class: The model to train: :class:`ConformanceModel` or a subclass (e.g. one that wraps submodules in
+            ``configure_model``); it must keep its constructor arguments.
+        atol: Tolerance between what the ranks computed and what the checkpoint's weights compute in plain float32
+            (raise it for strategies that compute in lower precision).
 
     Returns:
         The report; ``report.passed`` tells whether the strategy conforms, ``str(report)`` shows every check.
     """
-    kit = _Kit(strategy_factory, Path(workdir), devices, optimizer)
+    kit = _Kit(strategy_factory, Path(workdir), devices, optimizer, model_class, atol)
     first = kit.workdir / "uninterrupted"
     model = kit.fit("fit", first)
     if model is None:
@@ -456,6 +472,8 @@ def assert_strategy_conforms(
     *,
     devices: int = 2,
     optimizer: OptimizerName = "adam",
+    model_class: type[ConformanceModel] = ConformanceModel,
+    atol: float = ATOL,
 ) -> ConformanceReport:
     """Like :func:`check_strategy`, but raises :class:`ConformanceError` (an ``AssertionError``) on any failure.
 
@@ -466,6 +484,8 @@ def assert_strategy_conforms(
         workdir: An empty directory for checkpoints and per-rank records.
         devices: Number of CPU processes (1 for single-device strategies).
         optimizer: ``"adam"`` or ``"sgd"`` in the conformance model.
+        model_class: The model to train (see :func:`check_strategy`).
+        atol: Tolerance for lower-precision strategies (see :func:`check_strategy`).
 
     Returns:
         The report of a conforming strategy.
@@ -473,6 +493,8 @@ def assert_strategy_conforms(
     Raises:
         ConformanceError: With the full report, naming each failed check.
     """
-    report = check_strategy(strategy_factory, workdir, devices=devices, optimizer=optimizer)
+    report = check_strategy(
+        strategy_factory, workdir, devices=devices, optimizer=optimizer, model_class=model_class, atol=atol
+    )
     report.raise_for_failures()
     return report

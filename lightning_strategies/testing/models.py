@@ -87,11 +87,12 @@ class ConformanceModel(pl.LightningModule):
 
     def validation_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         self._check_identity("validation_step")
+        inputs, targets, probes = batch
         if batch_idx == 0 and self.record_dir is not None and not self.trainer.sanity_checking:
-            # Runs inside the wrapper's forward: this is what rank's model computes, however it is sharded.
-            output = self(probe_input().to(self.device)).detach().cpu()
+            # Runs inside the wrapper's forward, on an input that went through it like any batch (so a wrapper that
+            # casts inputs casts it too): what this rank's model computes, however it is sharded.
+            output = self(probes[0]).detach().float().cpu()
             torch.save(output, Path(self.record_dir) / f"probe-epoch{self.current_epoch}-rank{self.global_rank}.pt")
-        inputs, targets = batch
         loss = nn.functional.mse_loss(self(inputs), targets)
         self.log("val_loss", loss, sync_dist=True)
         return loss
@@ -106,7 +107,7 @@ class ConformanceModel(pl.LightningModule):
     def predict_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         self._check_identity("predict_step")
         output: Tensor = self(batch[0])
-        self.predictions.append(output.detach().cpu())
+        self.predictions.append(output.detach().float().cpu())
         return output
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -152,7 +153,9 @@ class ConformanceModel(pl.LightningModule):
         return DataLoader(make_dataset(self.samples), batch_size=self.batch_size)
 
     def val_dataloader(self) -> DataLoader[Any]:
-        return DataLoader(make_dataset(2 * self.batch_size, seed=99), batch_size=self.batch_size)
+        data = make_dataset(2 * self.batch_size, seed=99)
+        probes = probe_input().expand(len(data), -1, -1).clone()  # every sample carries the probe
+        return DataLoader(TensorDataset(*data.tensors, probes), batch_size=self.batch_size)
 
     def test_dataloader(self) -> DataLoader[Any]:
         return DataLoader(make_dataset(2 * self.batch_size, seed=98), batch_size=self.batch_size)

@@ -1,6 +1,6 @@
-"""Trains with `strategy="ddp_sharded"` (subprocess launcher: this script is started once per rank).
+"""Trains with a strategy started by the subprocess launcher (this script runs once per rank).
 
-Usage: python train_sharded.py OUT_DIR
+Usage: python train.py STRATEGY OUT_DIR
 """
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ import sys
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-import lightning_strategies  # noqa: F401  (registers "ddp_sharded")
+import lightning_strategies  # noqa: F401  (registers the strategy names)
 from lightning_strategies.testing import ConformanceModel
 
 if __name__ == "__main__":
-    out = sys.argv[1]
+    strategy, out = sys.argv[1], sys.argv[2]
     pl.seed_everything(3, verbose=False)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp_sharded",
+        strategy=strategy,
         max_epochs=1,
         logger=False,
         enable_progress_bar=False,

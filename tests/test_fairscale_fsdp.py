@@ -1,0 +1,349 @@
+"""FairScaleFSDPStrategy on 2 CPU processes: the issue-13500 case, conformance, training math, sharded checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from fairscale.nn.data_parallel import FullyShardedDataParallel
+from fairscale.nn.wrap import wrap
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.strategies import StrategyRegistry
+
+from lightning_strategies import FairScaleFSDPStrategy
+from lightning_strategies.testing import ConformanceModel, assert_strategy_conforms, make_dataset
+from tests.helpers import (
+    RankRecorder,
+    SaveOnTrainStart,
+    assert_same_weights,
+    comparable_optimizer_state,
+    fit,
+    new_model,
+    train_and_save,
+)
+
+
+def fsdp(**kwargs: Any) -> FairScaleFSDPStrategy:
+    return FairScaleFSDPStrategy(start_method="fork", **kwargs)
+
+
+class UserWrappedModel(ConformanceModel):
+    """Wraps its encoder itself, the fairscale way, in configure_model."""
+
+    def configure_model(self) -> None:
+        if not isinstance(self.encoder, FullyShardedDataParallel):
+            self.encoder = wrap(self.encoder)
+
+
+# ---------------------------------------------------------------------------------------------- construction
+
+
+@pytest.mark.parametrize(
+    ("name", "start_method"),
+    [
+        ("fsdp_fairscale", "popen"),
+        ("fsdp_fairscale_spawn", "spawn"),
+        ("fsdp_fairscale_fork", "fork"),
+        ("fsdp_fairscale_offload", "popen"),
+    ],
+)
+def test_importing_the_package_registers_each_name(name: str, start_method: str) -> None:
+    strategy = StrategyRegistry.get(name)
+    assert isinstance(strategy, FairScaleFSDPStrategy)
+    assert strategy._start_method == start_method
+
+
+def test_the_offload_variant_offloads_parameters_and_gradients() -> None:
+    strategy = StrategyRegistry.get("fsdp_fairscale_offload")
+    assert strategy._fsdp_kwargs["cpu_offload"] is True
+    assert strategy._fsdp_kwargs["move_grads_to_cpu"] is True
+
+
+def test_an_unknown_keyword_argument_is_refused_naming_the_accepted_ones() -> None:
+    with pytest.raises(TypeError, match=r"find_unused_parameters.*It takes: .*flatten_parameters"):
+        FairScaleFSDPStrategy(find_unused_parameters=True)
+
+
+def test_an_unknown_state_dict_type_is_refused() -> None:
+    with pytest.raises(ValueError, match="state_dict_type must be 'full' or 'sharded'"):
+        FairScaleFSDPStrategy(state_dict_type="local")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------- conformance
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_fsdp_fairscale_fork_conforms(tmp_path: Path, optimizer: str) -> None:
+    assert_strategy_conforms(lambda: "fsdp_fairscale_fork", tmp_path, optimizer=optimizer)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"flatten_parameters": False},
+        {"auto_wrap_min_params": 100},
+        {"reshard_after_forward": False},
+        {"cpu_offload": True, "move_grads_to_cpu": True},
+    ],
+    ids=["non-flat", "auto-wrapped", "no-reshard", "offload"],
+)
+def test_variants_conform(tmp_path: Path, options: dict[str, Any]) -> None:
+    assert_strategy_conforms(lambda: fsdp(**options), tmp_path)
+
+
+def test_submodules_the_user_wraps_in_configure_model_conform(tmp_path: Path) -> None:
+    assert_strategy_conforms(lambda: fsdp(), tmp_path, model_class=UserWrappedModel)
+
+
+def test_mixed_precision_conforms_within_half_precision_tolerance(tmp_path: Path) -> None:
+    assert_strategy_conforms(lambda: fsdp(mixed_precision=True), tmp_path, atol=5e-3)
+
+
+# ---------------------------------------------------------------------------------------------- issue 13500
+
+
+PAIRS = [
+    ("fsdp_fairscale_fork", "ddp_sharded_fork"),
+    ("ddp_sharded_fork", "fsdp_fairscale_fork"),
+    ("fsdp_fairscale_fork", "ddp_fork"),
+    ("ddp_fork", "fsdp_fairscale_fork"),
+]
+
+
+@pytest.mark.parametrize(("saved_by", "resumed_by"), PAIRS)
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_resuming_restores_exactly_the_saved_model_and_optimizer_state(
+    tmp_path: Path, saved_by: str, resumed_by: str, optimizer: str
+) -> None:
+    saved = train_and_save(saved_by, tmp_path / "saved", optimizer)
+    restored = tmp_path / "restored.ckpt"
+    fit(resumed_by, new_model(optimizer, seed=11), ckpt_path=saved, callbacks=[SaveOnTrainStart(restored)])
+
+    before = torch.load(saved, weights_only=True)
+    after = torch.load(restored, weights_only=True)
+    assert before["state_dict"].keys() == after["state_dict"].keys()
+    for key, value in before["state_dict"].items():
+        assert torch.equal(value, after["state_dict"][key]), key
+    expected, got = (
+        comparable_optimizer_state(before["optimizer_states"][0]),
+        comparable_optimizer_state(after["optimizer_states"][0]),
+    )
+    assert expected["lrs"] == got["lrs"] and expected["params"] == got["params"]
+    assert expected["state"].keys() == got["state"].keys()
+    for index, entries in expected["state"].items():
+        assert entries.keys() == got["state"][index].keys()
+        for name, value in entries.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(got["state"][index][name])), (index, name)
+
+
+class LossRecorder(pl.Callback):
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            (self.directory / "losses.json").write_text(json.dumps(self.losses))
+
+
+@pytest.mark.parametrize(("saved_by", "resumed_by"), PAIRS)
+def test_no_loss_spike_and_the_same_weights_as_an_uninterrupted_run(
+    tmp_path: Path, saved_by: str, resumed_by: str
+) -> None:
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "resumed").mkdir()
+    uninterrupted = new_model()
+    fit(saved_by, uninterrupted, callbacks=[LossRecorder(tmp_path / "whole")], max_epochs=2)
+    saved = train_and_save(saved_by, tmp_path / "saved")
+    resumed = new_model()
+    fit(resumed_by, resumed, ckpt_path=saved, callbacks=[LossRecorder(tmp_path / "resumed")], max_epochs=2)
+
+    whole = json.loads((tmp_path / "whole" / "losses.json").read_text())
+    after = json.loads((tmp_path / "resumed" / "losses.json").read_text())
+    assert after == pytest.approx(whole[len(whole) - len(after) :], abs=1e-6)  # the first one included: no spike
+    assert_same_weights(uninterrupted, resumed, atol=1e-5)
+
+
+def test_a_checkpoint_holds_the_unwrapped_keys_and_rank_0s_gathered_weights(tmp_path: Path) -> None:
+    saved = train_and_save("fsdp_fairscale_fork", tmp_path)
+    checkpoint = torch.load(saved, weights_only=True)
+
+    assert list(checkpoint["state_dict"]) == list(ConformanceModel().state_dict())
+    assert checkpoint["lightning_strategies"]["strategy"] == "fsdp_fairscale"
+    assert sorted(checkpoint["optimizer_states"][0]["state"]) == [0, 1, 2, 3]
+    shapes = [tuple(entries["exp_avg"].shape) for entries in checkpoint["optimizer_states"][0]["state"].values()]
+    assert shapes == [(16, 8), (16,), (4, 16), (4,)]
+
+
+# ---------------------------------------------------------------------------------------------- training math
+
+
+def _fit_pair(
+    strategy: Any, optimizer: str = "adam", **overrides: Any
+) -> tuple[pl.LightningModule, pl.LightningModule]:
+    reference = new_model(optimizer)
+    fit("ddp_fork", reference, **overrides)
+    model = new_model(optimizer)
+    fit(strategy, model, **overrides)
+    return reference, model
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_training_matches_upstream_ddp(optimizer: str) -> None:
+    reference, model = _fit_pair("fsdp_fairscale_fork", optimizer, max_epochs=3)
+    assert_same_weights(reference, model, atol=1e-5)
+
+
+def test_gradient_accumulation_matches_upstream_ddp() -> None:
+    reference, model = _fit_pair("fsdp_fairscale_fork", "sgd", accumulate_grad_batches=3)
+    assert_same_weights(reference, model, atol=1e-5)
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_gradient_clipping_matches_upstream_ddp(algorithm: str) -> None:
+    reference, model = _fit_pair(
+        "fsdp_fairscale_fork", "sgd", gradient_clip_val=0.05, gradient_clip_algorithm=algorithm
+    )
+    assert_same_weights(reference, model, atol=1e-5)
+
+
+class MixedInsideOneLayer(ConformanceModel):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(
+            [
+                {"params": [self.encoder.weight, self.head.weight], "weight_decay": 0.1},
+                {"params": [self.encoder.bias, self.head.bias], "weight_decay": 0.0},
+            ]
+        )
+
+
+def test_hyper_parameters_that_differ_inside_one_flat_parameter_are_refused_naming_them_and_the_fix() -> None:
+    model = new_model(cls=MixedInsideOneLayer)
+    with pytest.raises(
+        Exception,
+        match=r"group 0: encoder.weight, head.weight; group 1: encoder.bias, head.bias.*flatten_parameters=False",
+    ):
+        fit("fsdp_fairscale_fork", model, max_epochs=1)
+
+
+def test_the_same_optimizer_works_without_flattening() -> None:
+    reference, model = _fit_pair(fsdp(flatten_parameters=False), max_epochs=1)
+    assert_same_weights(reference, model, atol=1e-5)
+
+
+def test_param_groups_by_submodule_get_their_own_flat_parameters(tmp_path: Path) -> None:
+    def probe(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, Any]:
+        optimizer = trainer.optimizers[0]
+        return {
+            "groups": [len(group["params"]) for group in optimizer.param_groups],
+            "lrs": [g["lr"] for g in optimizer.param_groups],
+        }
+
+    recorder = RankRecorder(tmp_path, "on_train_start", probe)
+    fit("fsdp_fairscale_fork", new_model(), callbacks=[recorder], max_epochs=1)
+    for record in recorder.read():
+        assert record == {"groups": [1, 1], "lrs": [0.02, 0.01]}  # one flat parameter per submodule
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+
+def _plain_loss(model: torch.nn.Module, seed: int) -> float:
+    data = make_dataset(8, seed=seed)
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(data.tensors[0]), data.tensors[1]))
+
+
+def _evaluator() -> pl.Trainer:
+    return pl.Trainer(
+        strategy="fsdp_fairscale_fork", accelerator="cpu", devices=2, logger=False, enable_progress_bar=False
+    )
+
+
+def test_test_without_fit_computes_the_plain_modules_loss() -> None:
+    (result,) = _evaluator().test(new_model(), verbose=False)
+    assert result["test_loss"] == pytest.approx(_plain_loss(new_model(), 98), abs=1e-6)
+
+
+def test_validate_after_fit_uses_the_trained_weights() -> None:
+    model = new_model()
+    fit("fsdp_fairscale_fork", model, max_epochs=1)
+    (result,) = _evaluator().validate(model, verbose=False)
+    assert result["val_loss"] == pytest.approx(_plain_loss(model, 99), abs=1e-6)
+
+
+def test_test_from_a_checkpoint_uses_its_weights(tmp_path: Path) -> None:
+    saved = train_and_save("fsdp_fairscale_fork", tmp_path)
+    (result,) = _evaluator().test(new_model(seed=11), ckpt_path=saved, verbose=False)
+    trained = ConformanceModel.load_from_checkpoint(saved, weights_only=True)
+    assert result["test_loss"] == pytest.approx(_plain_loss(trained, 98), abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- sharded checkpoints
+
+
+def _save_sharded(directory: Path, strategy: Any = None) -> Path:
+    checkpoints = ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)
+    fit(
+        strategy or fsdp(state_dict_type="sharded"),
+        new_model(),
+        callbacks=[checkpoints],
+        max_epochs=1,
+        enable_checkpointing=True,
+    )
+    return directory / "epoch=0.ckpt"
+
+
+def test_a_sharded_checkpoint_is_a_directory_of_rank_files_holding_local_shards(tmp_path: Path) -> None:
+    saved = _save_sharded(tmp_path)
+
+    assert sorted(path.name for path in saved.iterdir()) == ["meta.pt", "rank0.pt", "rank1.pt"]
+    meta = torch.load(saved / "meta.pt", weights_only=True)
+    assert meta["lightning_strategies"]["state_dict_type"] == "sharded"
+    assert "state_dict" not in meta
+    total = sum(p.numel() for p in ConformanceModel().parameters())
+    for rank in range(2):
+        shard = torch.load(saved / f"rank{rank}.pt", weights_only=True)
+        local = sum(value.numel() for key, value in shard["state_dict"].items() if "flat_param" in key)
+        assert local < total  # a shard, not a gathered copy
+
+
+def test_a_sharded_checkpoint_resumes_at_the_same_world_size_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    uninterrupted = new_model()
+    fit(fsdp(state_dict_type="sharded"), uninterrupted, max_epochs=2)
+    saved = _save_sharded(tmp_path)
+    resumed = new_model()
+    fit(fsdp(state_dict_type="sharded"), resumed, ckpt_path=saved, max_epochs=2)
+
+    assert_same_weights(uninterrupted, resumed, atol=1e-6)
+
+
+def test_a_sharded_checkpoint_at_another_world_size_names_the_consolidate_step(tmp_path: Path) -> None:
+    saved = _save_sharded(tmp_path)
+    with pytest.raises(Exception, match=r"world size 2; this run is 'fsdp_fairscale' at world size 1.*consolidate"):
+        fit(fsdp(state_dict_type="sharded"), new_model(), ckpt_path=saved, devices=1)
+
+
+def test_a_sharded_checkpoint_given_to_another_strategy_is_refused(tmp_path: Path) -> None:
+    saved = _save_sharded(tmp_path)
+    with pytest.raises(Exception, match=r"could not be read|Is a directory|not a torch checkpoint"):
+        fit("ddp_sharded_fork", new_model(), ckpt_path=saved)
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+
+def test_spawn_launcher_hands_the_trained_weights_to_the_main_process() -> None:
+    reference = new_model()
+    fit("ddp_fork", reference, max_epochs=1)
+    model = new_model()
+    fit("fsdp_fairscale_spawn", model, max_epochs=1)
+
+    assert_same_weights(reference, model, atol=1e-5)
