@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 import lightning_strategies  # noqa: F401  (registers the strategy names)
 
@@ -29,6 +31,18 @@ def loopback_rendezvous(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     yield port
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    """A run in the test process (one device) leaves its process group and sets LOCAL_RANK, NODE_RANK, ...;
+    forked workers of later tests would inherit them and take the processes as launched from outside."""
+    environment = dict(os.environ)
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -347,3 +347,43 @@ def test_spawn_launcher_hands_the_trained_weights_to_the_main_process() -> None:
     fit("fsdp_fairscale_spawn", model, max_epochs=1)
 
     assert_same_weights(reference, model, atol=1e-5)
+
+
+def test_the_cpu_patches_are_removed_when_an_in_process_run_ends() -> None:
+    from lightning_strategies import fairscale_cpu
+
+    fit("fsdp_fairscale", new_model(), devices=1, max_epochs=1)  # one device: runs in this process
+    assert not fairscale_cpu.is_installed()
+
+
+def test_saving_every_epoch_leaves_training_unchanged() -> None:
+    # Gathering the optimizer state for a checkpoint must not touch the live optimizer.
+    reference = new_model()
+    fit("ddp_fork", reference, max_epochs=3)
+    model = new_model()
+    checkpoints = ModelCheckpoint(dirpath=None, save_top_k=-1, every_n_epochs=1)
+    fit("fsdp_fairscale_fork", model, callbacks=[checkpoints], max_epochs=3, enable_checkpointing=True)
+
+    assert_same_weights(reference, model, atol=1e-5)
+
+
+def test_predict_from_a_checkpoint_uses_its_weights(tmp_path: Path) -> None:
+    saved = train_and_save("fsdp_fairscale_fork", tmp_path / "saved")
+    model = new_model(seed=11, record_dir=str(tmp_path))
+    _evaluator().predict(model, ckpt_path=saved, return_predictions=False)
+
+    trained = ConformanceModel.load_from_checkpoint(saved, weights_only=True)
+    inputs = make_dataset(8, seed=97).tensors[0]
+    for rank in range(2):
+        got = torch.load(tmp_path / f"predictions-rank{rank}.pt", weights_only=True)
+        with torch.no_grad():
+            assert torch.allclose(got, trained(inputs[rank::2]), atol=1e-6)
+
+
+def test_a_second_run_after_the_process_group_was_recreated_works(tmp_path: Path) -> None:
+    # fairscale caches its process groups for the life of the process; a new process group makes them stale.
+    fit("fsdp_fairscale", new_model(), devices=1, max_epochs=1)
+    torch.distributed.destroy_process_group()
+    saved = train_and_save(FairScaleFSDPStrategy(), tmp_path, devices=1)
+
+    assert torch.load(saved, weights_only=True)["optimizer_states"][0]["state"]

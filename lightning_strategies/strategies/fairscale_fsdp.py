@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
+from fairscale.internal.parallel import get_process_group_cached
 from fairscale.nn.data_parallel import FullyShardedDataParallel
 from fairscale.nn.misc.flatten_params_wrapper import FlatParameter
 from fairscale.nn.wrap import auto_wrap, default_auto_wrap_policy, enable_wrap
@@ -111,6 +112,23 @@ def _wrap_by_param_group(module: Module, group_of: Mapping[int, Any], kwargs: Ma
     if len(all_groups) > 1:
         own = groups(module, recurse=False)
         visit(module, own[0] if own else all_groups[0])
+
+
+def _forget_stale_fairscale_groups() -> None:
+    """Drops fairscale's process-group cache when it holds groups of a process group that no longer exists.
+
+    fairscale caches the groups FSDP uses for the life of the process, keyed by name and ranks only. After a process
+    group is destroyed and created again (a second run in one process, or a worker forked from a process that ran
+    one) the cached groups are dead and every collective on them fails with "Group ... is not registered".
+    """
+    cache: dict[Any, Any] | None = vars(get_process_group_cached).get("_global_group_cache")
+    if not cache:
+        return
+    try:
+        for group in cache.values():
+            torch.distributed.get_global_rank(group, 0)
+    except (ValueError, RuntimeError):
+        del vars(get_process_group_cached)["_global_group_cache"]
 
 
 @dataclass(frozen=True)
@@ -305,6 +323,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        _forget_stale_fairscale_groups()
         if self.root_device.type == "cpu" and not self._cpu_patched:
             pin_memory = self._offloads or bool(self._fsdp_kwargs.get("move_grads_to_cpu"))
             self._cpu_patched = fairscale_cpu.install(pin_memory=pin_memory)

@@ -99,10 +99,10 @@ def _strategy_label(factory: StrategyFactory) -> str:
     return strategy if isinstance(strategy, str) else type(strategy).__name__
 
 
-def _trainer(factory: StrategyFactory, devices: int, root: Path, epochs: int) -> pl.Trainer:
+def _trainer(factory: StrategyFactory, devices: int, root: Path, epochs: int, accelerator: str) -> pl.Trainer:
     checkpoints = ModelCheckpoint(dirpath=root / "checkpoints", filename="{epoch}", save_top_k=-1, every_n_epochs=1)
     return pl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=devices,
         strategy=factory(),
         max_epochs=epochs,
@@ -171,6 +171,7 @@ class _Kit:
         optimizer: OptimizerName,
         model_class: type[ConformanceModel],
         atol: float,
+        accelerator: str,
     ) -> None:
         self.factory = factory
         self.workdir = workdir
@@ -178,6 +179,7 @@ class _Kit:
         self.optimizer: OptimizerName = optimizer
         self.model_class = model_class
         self.atol = atol
+        self.accelerator = accelerator
         self.report = ConformanceReport(_strategy_label(factory))
         self.seed = 7
 
@@ -195,7 +197,7 @@ class _Kit:
     def fit(self, name: str, root: Path, ckpt_path: Path | None = None) -> ConformanceModel | None:
         root.mkdir(parents=True, exist_ok=True)
         model = self.model(root)
-        trainer = _trainer(self.factory, self.devices, root, epochs=2)
+        trainer = _trainer(self.factory, self.devices, root, 2, self.accelerator)
 
         def train() -> bool:
             trainer.fit(model, ckpt_path=ckpt_path)
@@ -385,7 +387,7 @@ class _Kit:
         with torch.no_grad():
             expected_loss = float(nn.functional.mse_loss(plain(data.tensors[0]), data.tensors[1]))
         model = self.model(root)
-        trainer = _trainer(self.factory, self.devices, root, epochs=1)
+        trainer = _trainer(self.factory, self.devices, root, 1, self.accelerator)
         results = self.run("validate", lambda: trainer.validate(model, ckpt_path=checkpoint_path, verbose=False))
         if results is not None:
             got = float(results[0]["val_loss"])
@@ -396,7 +398,7 @@ class _Kit:
             )
         model = self.model(root)
         model.load_state_dict(plain.state_dict())
-        trainer = _trainer(self.factory, self.devices, root, epochs=1)
+        trainer = _trainer(self.factory, self.devices, root, 1, self.accelerator)
 
         def predict() -> bool:
             trainer.predict(model, return_predictions=False)
@@ -432,6 +434,7 @@ def check_strategy(
     optimizer: OptimizerName = "adam",
     model_class: type[ConformanceModel] = ConformanceModel,
     atol: float = ATOL,
+    accelerator: str = "cpu",
 ) -> ConformanceReport:
     """Checks a strategy against the direct-reference contract and returns a report (it never raises on failure).
 
@@ -445,11 +448,12 @@ def check_strategy(
             ``configure_model``); it must keep its constructor arguments.
         atol: Tolerance between what the ranks computed and what the checkpoint's weights compute in plain float32
             (raise it for strategies that compute in lower precision).
+        accelerator: ``"cpu"`` (the default: gloo) or ``"gpu"`` (NCCL) for a check on a GPU machine.
 
     Returns:
         The report; ``report.passed`` tells whether the strategy conforms, ``str(report)`` shows every check.
     """
-    kit = _Kit(strategy_factory, Path(workdir), devices, optimizer, model_class, atol)
+    kit = _Kit(strategy_factory, Path(workdir), devices, optimizer, model_class, atol, accelerator)
     first = kit.workdir / "uninterrupted"
     model = kit.fit("fit", first)
     if model is None:
@@ -474,6 +478,7 @@ def assert_strategy_conforms(
     optimizer: OptimizerName = "adam",
     model_class: type[ConformanceModel] = ConformanceModel,
     atol: float = ATOL,
+    accelerator: str = "cpu",
 ) -> ConformanceReport:
     """Like :func:`check_strategy`, but raises :class:`ConformanceError` (an ``AssertionError``) on any failure.
 
@@ -486,6 +491,7 @@ def assert_strategy_conforms(
         optimizer: ``"adam"`` or ``"sgd"`` in the conformance model.
         model_class: The model to train (see :func:`check_strategy`).
         atol: Tolerance for lower-precision strategies (see :func:`check_strategy`).
+        accelerator: ``"cpu"`` or ``"gpu"`` (see :func:`check_strategy`).
 
     Returns:
         The report of a conforming strategy.
@@ -494,7 +500,13 @@ def assert_strategy_conforms(
         ConformanceError: With the full report, naming each failed check.
     """
     report = check_strategy(
-        strategy_factory, workdir, devices=devices, optimizer=optimizer, model_class=model_class, atol=atol
+        strategy_factory,
+        workdir,
+        devices=devices,
+        optimizer=optimizer,
+        model_class=model_class,
+        atol=atol,
+        accelerator=accelerator,
     )
     report.raise_for_failures()
     return report
