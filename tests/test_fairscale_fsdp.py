@@ -387,3 +387,29 @@ def test_a_second_run_after_the_process_group_was_recreated_works(tmp_path: Path
     saved = train_and_save(FairScaleFSDPStrategy(), tmp_path, devices=1)
 
     assert torch.load(saved, weights_only=True)["optimizer_states"][0]["state"]
+
+
+@pytest.mark.parametrize("name", ["fsdp_fairscale", "fsdp_fairscale_offload"])
+def test_the_script_launched_variants_conform_on_one_process(tmp_path: Path, name: str) -> None:
+    # One device: the subprocess launcher starts nothing, so the kit runs them in this process.
+    assert_strategy_conforms(lambda: name, tmp_path, devices=1)
+
+
+def test_the_spawn_variant_conforms(tmp_path: Path) -> None:
+    assert_strategy_conforms(lambda: "fsdp_fairscale_spawn", tmp_path)
+
+
+def test_after_an_in_process_fit_the_module_is_plain_again_and_runs_the_next_stage() -> None:
+    model = new_model()
+    trainer = pl.Trainer(strategy="fsdp_fairscale", accelerator="cpu", devices=1, logger=False, max_epochs=1)
+    trainer.fit(model)
+
+    assert not [name for name, child in model.named_modules() if isinstance(child, FullyShardedDataParallel)]
+    assert [name for name, _ in model.named_parameters()] == [
+        "encoder.weight",
+        "encoder.bias",
+        "head.weight",
+        "head.bias",
+    ]
+    (result,) = trainer.test(model, verbose=False)
+    assert result["test_loss"] == pytest.approx(_plain_loss(model, 98), abs=1e-6)

@@ -46,6 +46,7 @@ from lightning_strategies.checkpoint import (
 )
 from lightning_strategies.checkpoint.flat import gather_full, local_shard, split_full
 from lightning_strategies.strategies.base import DirectReferenceStrategy, StartMethod
+from lightning_strategies.strategies.launcher import CanonicalStateLauncher
 from lightning_strategies.strategies.optimizers import rebuild_optimizer, retarget_schedulers
 
 FSDP = FullyShardedDataParallel
@@ -299,6 +300,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._units: list[_Unit] = []
         self._layouts: dict[int, _Layout] = {}
         self._loaded_sharded = False
+        self._original_children: list[tuple[Module, str, Module]] = []
 
     @classmethod
     @override
@@ -341,6 +343,10 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             yield
 
     def _wrap(self, module: pl.LightningModule, group_of: Mapping[int, Any] | None = None) -> FSDP:
+        # Remember the module tree as it was, so teardown can put back every child this strategy wrapped.
+        self._original_children = [
+            (parent, name, child) for parent in module.modules() for name, child in parent.named_children()
+        ]
         kwargs = self._wrapper_kwargs()
         user_wrapped = any(isinstance(child, FSDP) for child in module.modules())
         if not user_wrapped and self._auto_wrap_min_params is not None:
@@ -414,10 +420,44 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         # Each rank holds a shard of every gradient: the root computes the norm across ranks.
         self._root().clip_grad_norm_(clip_val)
 
+    def _unshard_into_module(self) -> None:
+        """Gives the LightningModule back its own full parameters and submodules, as before setup.
+
+        The process goes on running the user's script (one script per rank, or a single process), so the module must
+        work again: every rank gathers the full parameters once, the original parameters are registered again with
+        them, and the children this strategy wrapped replace their wrappers. Submodules the user wrapped in
+        ``configure_model`` stay wrapped.
+        """
+        root = self._root()
+        flattened: list[tuple[Module, str, Tensor, bool]] = []
+        sharded: list[tuple[Parameter, Tensor]] = []
+        with root.summon_full_params(recurse=True, volatile=True):
+            for unit in self._units:
+                if isinstance(unit.param, FlatParameter):
+                    for _, owner, name in unit.param._param_infos:
+                        full = getattr(owner, name).detach().clone()
+                        flattened.append((owner, name, full, unit.param.requires_grad))
+                else:
+                    sharded.append((unit.param, unit.param.detach().clone()))
+        for owner, name, full, requires_grad in flattened:
+            if hasattr(owner, name):
+                delattr(owner, name)
+            owner.register_parameter(name, Parameter(full, requires_grad=requires_grad))
+        for param, full in sharded:
+            param.data = full
+        for parent, name, child in self._original_children:
+            if getattr(parent, name, None) is not child:
+                setattr(parent, name, child)
+            vars(child).pop("_unflattened_param_views", None)
+        vars(self.require_lightning_module()).pop("_unflattened_param_views", None)
+
     @override
     def teardown(self) -> None:
+        in_place = not isinstance(self.launcher, CanonicalStateLauncher)
+        if in_place and isinstance(self.model, FSDP):
+            self._unshard_into_module()  # before the root goes and while the CPU patches are in place
         super().teardown()  # gathers the final weights for the launcher: the patches must still be in place
-        self._units, self._layouts = [], {}
+        self._units, self._layouts, self._original_children = [], {}, []
         if self._cpu_patched:
             fairscale_cpu.uninstall()
             self._cpu_patched = False
