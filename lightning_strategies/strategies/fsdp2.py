@@ -1,0 +1,352 @@
+"""torch FSDP2 (``fully_shard``): parameters become DTensors in place; no wrapper object, no key prefixes.
+
+The migration path off fairscale: the same contract, canonical checkpoints through torch's distributed state-dict
+API, and sharded checkpoints through ``torch.distributed.checkpoint`` that reshard to another world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.utilities.types import _PATH
+from pytorch_lightning.plugins.precision import Precision
+from torch import Tensor
+from torch.distributed._composable.checkpoint_activation import checkpoint as activation_checkpoint
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_strategies.checkpoint import (
+    METADATA_KEY,
+    CheckpointFormatError,
+    CheckpointMetadata,
+    check_model_state,
+    read_checkpoint,
+)
+from lightning_strategies.strategies.base import DirectReferenceStrategy, StartMethod
+
+SHARDED_META_FILE = "meta.pt"
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _is_sharded(module: Module) -> bool:
+    return isinstance(module, FSDPModule)
+
+
+class FSDP2Strategy(DirectReferenceStrategy):
+    """Fully sharded data parallel training with torch's ``fully_shard`` (FSDP2).
+
+    ``fully_shard`` is applied to the LightningModule in place: first to submodules chosen by class
+    (``shard_module_classes``) or size (``min_num_params``), bottom-up, then to the module itself. Modules the user
+    sharded in ``configure_model`` (use ``strategy.device_mesh``) are kept. There is no wrapper object, so
+    ``strategy.model is strategy.lightning_module``; steps still go through the module's ``__call__`` so the root's
+    FSDP hooks run. Optimizers are created after sharding, over the DTensor parameters.
+
+    Args:
+        accelerator: The accelerator (set by the Trainer when omitted).
+        parallel_devices: Devices of this node (set by the Trainer when omitted).
+        cluster_environment: Cluster environment (set by the Trainer when omitted).
+        checkpoint_io: Checkpoint IO plugin.
+        precision_plugin: Precision plugin.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
+        timeout: Timeout of collective operations.
+        start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        shard_module_classes: Submodule classes that get their own ``fully_shard`` (e.g. transformer blocks).
+        min_num_params: Also shard submodules holding at least this many parameters not yet sharded below them.
+        reshard_after_forward: Free gathered parameters after forward (ZeRO-3) or keep them until backward.
+        mixed_precision: ``MixedPrecisionPolicy`` (``param_dtype=torch.bfloat16`` runs on CPU).
+        cpu_offload: Keep sharded parameters, gradients and optimizer state in host memory (pinned only on CUDA).
+        activation_checkpointing: Submodule classes whose activations are recomputed in backward.
+        state_dict_type: ``"full"`` (one canonical file) or ``"sharded"`` (a ``torch.distributed.checkpoint``
+            directory that resumes at any world size).
+
+    Raises:
+        ValueError: An unknown ``state_dict_type``.
+    """
+
+    strategy_name = "fsdp2"
+    steps_through_module_call = True
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        shard_module_classes: Iterable[type[Module]] = (),
+        min_num_params: int | None = None,
+        reshard_after_forward: bool = True,
+        mixed_precision: MixedPrecisionPolicy | None = None,
+        cpu_offload: bool = False,
+        activation_checkpointing: Iterable[type[Module]] = (),
+        state_dict_type: Literal["full", "sharded"] = "full",
+    ) -> None:
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._shard_module_classes = tuple(shard_module_classes)
+        self._min_num_params = min_num_params
+        self._reshard_after_forward = reshard_after_forward
+        self._mixed_precision = mixed_precision or MixedPrecisionPolicy()
+        self._cpu_offload = cpu_offload
+        self._activation_checkpointing = tuple(activation_checkpointing)
+        self._state_dict_type = state_dict_type
+        self._device_mesh: DeviceMesh | None = None
+        self._sharded_directory: Path | None = None
+
+    # ------------------------------------------------------------------ environment and sharding
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The 1-D data-parallel mesh (for ``fully_shard(..., mesh=strategy.device_mesh)`` in ``configure_model``)."""
+        if self._device_mesh is None:
+            self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+        return self._device_mesh
+
+    def _shard_kwargs(self) -> dict[str, Any]:
+        offload: OffloadPolicy = (
+            CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self._cpu_offload else OffloadPolicy()
+        )
+        return {
+            "mesh": self.device_mesh,
+            "reshard_after_forward": self._reshard_after_forward,
+            "mp_policy": self._mixed_precision,
+            "offload_policy": offload,
+        }
+
+    def _chosen(self, submodule: Module) -> bool:
+        if _is_sharded(submodule):
+            return False
+        if self._shard_module_classes and isinstance(submodule, self._shard_module_classes):
+            return True
+        if self._min_num_params is None:
+            return False
+        unsharded = sum(p.numel() for p in submodule.parameters() if not isinstance(p, DTensor))
+        return unsharded >= self._min_num_params
+
+    def _shard(self, module: pl.LightningModule) -> None:
+        if _is_sharded(module):
+            return  # sharded by the user in configure_model, or by an earlier run in this process
+        for submodule in module.modules():
+            if self._activation_checkpointing and isinstance(submodule, self._activation_checkpointing):
+                activation_checkpoint(submodule)
+        kwargs = self._shard_kwargs()
+        # Post-order (children before their parents), so a parent only takes what its children left unsharded.
+        for submodule in reversed(list(module.modules())[1:]):
+            if self._chosen(submodule):
+                fully_shard(submodule, **kwargs)
+        fully_shard(module, **kwargs)
+
+    @override
+    def model_to_device(self) -> None:
+        if not self._cpu_offload:  # offloaded parameters stay on the host; FSDP moves what it computes with
+            super().model_to_device()
+
+    @override
+    def configure_for_fit(self, trainer: pl.Trainer) -> None:
+        module = self.require_lightning_module()
+        self._shard(module)
+        self.setup_optimizers(trainer)  # after sharding: configure_optimizers() sees the DTensor parameters
+        self.model = module
+
+    @override
+    def configure_for_evaluation(self, trainer: pl.Trainer) -> None:
+        module = self.require_lightning_module()
+        self._shard(module)
+        self.model = module
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        module = self.lightning_module
+        if not isinstance(module, FSDPModule):
+            yield None
+            return
+        module.set_requires_gradient_sync(False)
+        try:
+            yield None
+        finally:
+            module.set_requires_gradient_sync(True)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        self._device_mesh = None
+
+    # ------------------------------------------------------------------ model state
+
+    @override
+    def _canonical_model_state(self) -> dict[str, Any]:
+        # cpu_offload with a full state dict: rank 0 gets the whole tensors, the other ranks nothing.
+        state: dict[str, Any] = get_model_state_dict(self.require_lightning_module(), options=_FULL)
+        return state if self.is_global_zero else {}
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._state_dict_type == "sharded":  # DTensor shards, written by torch.distributed.checkpoint
+            return dict(get_model_state_dict(self.require_lightning_module()))
+        return super().lightning_module_state_dict()
+
+    def _expected_model_state(self) -> dict[str, Tensor]:
+        """Canonical keys with meta tensors of the global shapes (a DTensor's shape is the global one)."""
+        return {
+            key: torch.empty(value.shape, dtype=value.dtype, device="meta")
+            for key, value in self.require_lightning_module().state_dict().items()
+            if isinstance(value, Tensor)
+        }
+
+    @override
+    def _load_canonical_model_state(self, state: Mapping[str, Any], strict: bool) -> None:
+        check_model_state(self._expected_model_state(), state, strict=strict, source=self._checkpoint_source)
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        set_model_state_dict(self.require_lightning_module(), dict(state), options=options)
+
+    # ------------------------------------------------------------------ optimizer state
+
+    def _names(self, optimizer: Optimizer) -> list[list[str]]:
+        name_of = {id(param): name for name, param in self.require_lightning_module().named_parameters()}
+        return [[name_of[id(param)] for param in group["params"]] for group in optimizer.param_groups]
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._state_dict_type == "sharded":
+            raw = getattr(optimizer, "_optimizer", optimizer)
+            return dict(get_optimizer_state_dict(self.require_lightning_module(), raw))
+        return super().optimizer_state(optimizer)
+
+    @override
+    def _canonical_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        by_name: dict[str, Any] = dict(
+            get_optimizer_state_dict(self.require_lightning_module(), optimizer, options=_FULL)
+        )
+        if not self.is_global_zero:
+            return {}
+        # torch keys the full state by parameter name; canonical state counts parameters through the groups.
+        names = [name for group in self._names(optimizer) for name in group]
+        index = {name: position for position, name in enumerate(names)}
+        state = {index[name]: entries for name, entries in by_name["state"].items()}
+        groups = [
+            {
+                **{key: value for key, value in group.items() if key != "params"},
+                "params": [index[n] for n in group["params"]],
+            }
+            for group in by_name["param_groups"]
+        ]
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    @override
+    def _load_canonical_optimizer_state(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
+        names = [name for group in self._names(optimizer) for name in group]
+        by_name: dict[str, Any] = {
+            "state": {names[index]: entries for index, entries in state["state"].items()},
+            "param_groups": [
+                {**group, "params": [names[index] for index in group["params"]]} for group in state["param_groups"]
+            ],
+        }
+        set_optimizer_state_dict(
+            self.require_lightning_module(),
+            optimizer,
+            optim_state_dict=by_name,
+            options=StateDictOptions(full_state_dict=True),
+        )
+
+    # ------------------------------------------------------------------ sharded checkpoints (DCP)
+
+    @override
+    def checkpoint_metadata(self) -> CheckpointMetadata:
+        metadata = super().checkpoint_metadata()
+        return CheckpointMetadata(
+            metadata.format_version, metadata.strategy, metadata.world_size, self._state_dict_type
+        )
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self._state_dict_type == "full":
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        directory = Path(filepath)
+        sharded = {"model": checkpoint["state_dict"], "optimizers": checkpoint.get("optimizer_states", [])}
+        dcp_save(sharded, checkpoint_id=directory)
+        if self.is_global_zero:
+            rest = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+            rest[METADATA_KEY] = self.checkpoint_metadata().to_dict()
+            self.checkpoint_io.save_checkpoint(rest, directory / SHARDED_META_FILE)
+        self.barrier("sharded checkpoint written")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        directory = Path(checkpoint_path)
+        if not directory.is_dir():
+            self._sharded_directory = None
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        source = f"Sharded checkpoint {str(directory)!r}"
+        self._checkpoint_source = source
+        meta_path = directory / SHARDED_META_FILE
+        if not meta_path.exists():
+            raise CheckpointFormatError(f"{source} has no {SHARDED_META_FILE}; it is not a sharded checkpoint.")
+        meta = read_checkpoint(meta_path)
+        metadata = CheckpointMetadata.read(meta, source=source)
+        if metadata is None or metadata.state_dict_type != "sharded" or metadata.strategy != self.strategy_name:
+            raise CheckpointFormatError(
+                f"{source} was not written by {self.strategy_name!r} with state_dict_type='sharded' ({metadata})."
+                " Consolidate it into a full checkpoint to load it with another strategy."
+            )
+        self._sharded_directory = directory
+        # Lightning checks that optimizer states exist before asking the strategy to load them.
+        return {**meta, "state_dict": {}, "optimizer_states": []}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._sharded_directory is None:
+            super().load_model_state_dict(checkpoint, strict)
+            return
+        module = self.require_lightning_module()
+        model_state = get_model_state_dict(module)
+        dcp_load({"model": model_state}, checkpoint_id=self._sharded_directory)  # reshards to this world size
+        set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict))
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._sharded_directory is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        module = self.require_lightning_module()
+        optimizers = self._raw_optimizers()
+        templates = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
+        dcp_load({"optimizers": templates}, checkpoint_id=self._sharded_directory)
+        for optimizer, state in zip(optimizers, templates, strict=True):
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=state)
+        self._sharded_directory = None
