@@ -109,3 +109,57 @@ class GuardedShardedStrategy(ShardedDDPStrategy):
 
     def read(self) -> list[bool]:
         return [json.loads(path.read_text()) for path in sorted(self.directory.glob("unchanged-rank*.json"))]
+
+
+def assert_resume_restores_exactly(tmp_path: Path, saved_by: Any, resumed_by: Any, optimizer: str = "adam") -> None:
+    """Saved by one strategy, restored by another, saved again before any step: model and optimizer state equal."""
+    saved = train_and_save(saved_by, tmp_path / "saved", optimizer)
+    restored = tmp_path / "restored.ckpt"
+    fit(resumed_by, new_model(optimizer, seed=11), ckpt_path=saved, callbacks=[SaveOnTrainStart(restored)])
+
+    before = torch.load(saved, weights_only=True)
+    after = torch.load(restored, weights_only=True)
+    assert before["state_dict"].keys() == after["state_dict"].keys()
+    for key, value in before["state_dict"].items():
+        assert torch.equal(value, after["state_dict"][key]), key
+    expected = comparable_optimizer_state(before["optimizer_states"][0])
+    got = comparable_optimizer_state(after["optimizer_states"][0])
+    assert expected["lrs"] == got["lrs"] and expected["params"] == got["params"]
+    assert expected["state"].keys() == got["state"].keys()
+    for index, entries in expected["state"].items():
+        assert entries.keys() == got["state"][index].keys()
+        for name, value in entries.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(got["state"][index][name])), (index, name)
+    assert after["lr_schedulers"] == before["lr_schedulers"]
+
+
+class LossRecorder(pl.Callback):
+    """Writes rank 0's training losses to ``<dir>/losses.json`` at the end of training."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            (self.directory / "losses.json").write_text(json.dumps(self.losses))
+
+
+def assert_resume_continues_the_run(tmp_path: Path, saved_by: Any, resumed_by: Any, atol: float = 1e-5) -> None:
+    """Resuming with another strategy gives the uninterrupted run's losses (no spike) and final weights."""
+    uninterrupted = new_model()
+    fit(saved_by, uninterrupted, callbacks=[LossRecorder(tmp_path / "whole")], max_epochs=2)
+    saved = train_and_save(saved_by, tmp_path / "saved")
+    resumed = new_model()
+    fit(resumed_by, resumed, ckpt_path=saved, callbacks=[LossRecorder(tmp_path / "resumed")], max_epochs=2)
+
+    whole = json.loads((tmp_path / "whole" / "losses.json").read_text())
+    after = json.loads((tmp_path / "resumed" / "losses.json").read_text())
+    assert after, "the resumed run trained no step"
+    tail = whole[len(whole) - len(after) :]
+    assert max(abs(a - b) for a, b in zip(after, tail, strict=True)) <= atol  # the first one included: no spike
+    assert_same_weights(uninterrupted, resumed, atol=atol)

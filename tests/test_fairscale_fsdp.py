@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,9 @@ from lightning_strategies import FairScaleFSDPStrategy
 from lightning_strategies.testing import ConformanceModel, assert_strategy_conforms, make_dataset
 from tests.helpers import (
     RankRecorder,
-    SaveOnTrainStart,
+    assert_resume_continues_the_run,
+    assert_resume_restores_exactly,
     assert_same_weights,
-    comparable_optimizer_state,
     fit,
     new_model,
     train_and_save,
@@ -119,56 +118,14 @@ PAIRS = [
 def test_resuming_restores_exactly_the_saved_model_and_optimizer_state(
     tmp_path: Path, saved_by: str, resumed_by: str, optimizer: str
 ) -> None:
-    saved = train_and_save(saved_by, tmp_path / "saved", optimizer)
-    restored = tmp_path / "restored.ckpt"
-    fit(resumed_by, new_model(optimizer, seed=11), ckpt_path=saved, callbacks=[SaveOnTrainStart(restored)])
-
-    before = torch.load(saved, weights_only=True)
-    after = torch.load(restored, weights_only=True)
-    assert before["state_dict"].keys() == after["state_dict"].keys()
-    for key, value in before["state_dict"].items():
-        assert torch.equal(value, after["state_dict"][key]), key
-    expected, got = (
-        comparable_optimizer_state(before["optimizer_states"][0]),
-        comparable_optimizer_state(after["optimizer_states"][0]),
-    )
-    assert expected["lrs"] == got["lrs"] and expected["params"] == got["params"]
-    assert expected["state"].keys() == got["state"].keys()
-    for index, entries in expected["state"].items():
-        assert entries.keys() == got["state"][index].keys()
-        for name, value in entries.items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(got["state"][index][name])), (index, name)
-
-
-class LossRecorder(pl.Callback):
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *args: Any) -> None:
-        self.losses.append(float(outputs["loss"]))
-
-    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        if trainer.is_global_zero:
-            (self.directory / "losses.json").write_text(json.dumps(self.losses))
+    assert_resume_restores_exactly(tmp_path, saved_by, resumed_by, optimizer)
 
 
 @pytest.mark.parametrize(("saved_by", "resumed_by"), PAIRS)
 def test_no_loss_spike_and_the_same_weights_as_an_uninterrupted_run(
     tmp_path: Path, saved_by: str, resumed_by: str
 ) -> None:
-    (tmp_path / "whole").mkdir()
-    (tmp_path / "resumed").mkdir()
-    uninterrupted = new_model()
-    fit(saved_by, uninterrupted, callbacks=[LossRecorder(tmp_path / "whole")], max_epochs=2)
-    saved = train_and_save(saved_by, tmp_path / "saved")
-    resumed = new_model()
-    fit(resumed_by, resumed, ckpt_path=saved, callbacks=[LossRecorder(tmp_path / "resumed")], max_epochs=2)
-
-    whole = json.loads((tmp_path / "whole" / "losses.json").read_text())
-    after = json.loads((tmp_path / "resumed" / "losses.json").read_text())
-    assert after == pytest.approx(whole[len(whole) - len(after) :], abs=1e-6)  # the first one included: no spike
-    assert_same_weights(uninterrupted, resumed, atol=1e-5)
+    assert_resume_continues_the_run(tmp_path, saved_by, resumed_by)
 
 
 def test_a_checkpoint_holds_the_unwrapped_keys_and_rank_0s_gathered_weights(tmp_path: Path) -> None:

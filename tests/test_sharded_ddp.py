@@ -17,9 +17,9 @@ from lightning_strategies import ShardedDDPStrategy
 from lightning_strategies.testing import ConformanceModel, make_dataset
 from tests.helpers import (
     RankRecorder,
-    SaveOnTrainStart,
+    assert_resume_continues_the_run,
+    assert_resume_restores_exactly,
     assert_same_weights,
-    comparable_optimizer_state,
     fit,
     new_model,
     train_and_save,
@@ -217,51 +217,22 @@ def test_checkpoint_optimizer_state_is_consolidated_on_rank_0_only(tmp_path: Pat
     assert rank1 == {"optimizer_params_with_state": [], "model_keys": 0}
 
 
-@pytest.mark.parametrize(
-    ("saved_by", "resumed_by"),
-    [("ddp_sharded_fork", "ddp_sharded_fork"), ("ddp_sharded_fork", "ddp_fork"), ("ddp_fork", "ddp_sharded_fork")],
-)
+PAIRS = [("ddp_sharded_fork", "ddp_sharded_fork"), ("ddp_sharded_fork", "ddp_fork"), ("ddp_fork", "ddp_sharded_fork")]
+
+
+@pytest.mark.parametrize(("saved_by", "resumed_by"), PAIRS)
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_resuming_restores_model_and_optimizer_state_exactly(
     tmp_path: Path, saved_by: str, resumed_by: str, optimizer: str
 ) -> None:
-    saved = train_and_save(saved_by, tmp_path / "saved", optimizer)
-    restored = tmp_path / "restored.ckpt"
-    fit(
-        resumed_by, new_model(optimizer, seed=11), ckpt_path=saved, callbacks=[SaveOnTrainStart(restored)], max_epochs=2
-    )
-
-    before = torch.load(saved, weights_only=True)
-    after = torch.load(restored, weights_only=True)
-    assert before["state_dict"].keys() == after["state_dict"].keys()
-    for key, value in before["state_dict"].items():
-        assert torch.equal(value, after["state_dict"][key]), key
-    expected = comparable_optimizer_state(before["optimizer_states"][0])
-    got = comparable_optimizer_state(after["optimizer_states"][0])
-    assert expected["lrs"] == got["lrs"] and expected["params"] == got["params"]
-    for index, entries in expected["state"].items():
-        for name, value in entries.items():
-            assert torch.allclose(torch.as_tensor(value), torch.as_tensor(got["state"][index][name]), atol=1e-6), (
-                index,
-                name,
-            )
-    assert after["lr_schedulers"] == before["lr_schedulers"]
+    assert_resume_restores_exactly(tmp_path, saved_by, resumed_by, optimizer)
 
 
-@pytest.mark.parametrize(
-    ("saved_by", "resumed_by"), [("ddp_sharded_fork", "ddp_fork"), ("ddp_fork", "ddp_sharded_fork")]
-)
+@pytest.mark.parametrize(("saved_by", "resumed_by"), PAIRS[1:])
 def test_interrupting_and_resuming_with_another_strategy_equals_an_uninterrupted_run(
     tmp_path: Path, saved_by: str, resumed_by: str
 ) -> None:
-    uninterrupted = new_model()
-    fit(saved_by, uninterrupted, max_epochs=2)
-    saved = train_and_save(saved_by, tmp_path)
-    # Same seed: Lightning's DistributedSampler shuffles the training data with the global seed.
-    resumed = new_model()
-    fit(resumed_by, resumed, ckpt_path=saved, max_epochs=2)
-
-    assert_same_weights(uninterrupted, resumed)
+    assert_resume_continues_the_run(tmp_path, saved_by, resumed_by, atol=1e-6)
 
 
 def test_checkpoints_carry_the_metadata_block(tmp_path: Path) -> None:

@@ -300,6 +300,7 @@ class DirectReferenceStrategy(ParallelStrategy):
             isinstance(self._launcher, CanonicalStateLauncher)
             and trainer is not None
             and trainer.state.fn == TrainerFn.FITTING
+            and _distributed_is_initialized()  # a worker; the launching process tears down too after a failure
         ):
             # The launcher sends the trained weights to the main process after teardown, when the wrapper that
             # could gather them is gone: take them now, while every rank still holds its shard.

@@ -135,6 +135,8 @@ def _max_difference(left: Mapping[str, Any], right: Mapping[str, Any]) -> tuple[
         other = right[key]
         if not isinstance(value, Tensor) or not isinstance(other, Tensor):
             continue
+        # A module that stays sharded after an in-process run (FSDP2) holds DTensors: compare their full values.
+        value, other = (getattr(t, "full_tensor", lambda t=t: t)() for t in (value, other))
         if value.shape != other.shape:
             return float("inf"), f"{key} (shapes {tuple(value.shape)} and {tuple(other.shape)})"
         difference = float((value.double() - other.double()).abs().max()) if value.numel() else 0.0
@@ -325,7 +327,12 @@ class _Kit:
             )
 
     def check_parent_weights(self, model: nn.Module, checkpoint: Mapping[str, Any]) -> None:
-        worst, key = _max_difference(model.state_dict(), checkpoint["state_dict"])
+        compared = self.run(
+            "parent_process_weights", lambda: _max_difference(model.state_dict(), checkpoint["state_dict"])
+        )
+        if compared is None:
+            return
+        worst, key = compared
         self.report.add(
             "parent_process_weights",
             worst <= ATOL,
