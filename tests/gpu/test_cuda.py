@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("strategy", ["ddp_sharded", "fsdp_fairscale"])
+@pytest.mark.parametrize("strategy", ["ddp_sharded", "fsdp_fairscale", "fsdp2"])
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_conforms_on_one_gpu_with_nccl(tmp_path: Path, strategy: str, optimizer: str) -> None:
     # One device: the subprocess launcher starts no other process, so this runs in the test process with NCCL.
