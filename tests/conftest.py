@@ -56,6 +56,15 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=".*DistributedSampler.*")
 
 
+MATRIX_TABLES: list[str] = []  # filled by the resume-matrix tests, shown at the end of the run
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for table in MATRIX_TABLES:
+        terminalreporter.write_sep("-", "resume matrix")
+        terminalreporter.write_line(table)
+
+
 def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
     """Trainer arguments for fast, quiet CPU runs; tests override what they are about."""
     kwargs: dict[str, Any] = {

@@ -1,0 +1,56 @@
+"""Every strategy resumes every other strategy's checkpoint: the matrix, world-size changes, a broken variant."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_strategies.testing.matrix import MatrixStrategy, default_strategies, run_matrix
+from tests.conftest import MATRIX_TABLES
+from tests.naive_strategies import NaiveShardedStrategy
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_every_strategy_resumes_every_strategys_checkpoint(tmp_path: Path, optimizer: str) -> None:
+    matrix = run_matrix(default_strategies(), tmp_path, optimizer=optimizer)  # type: ignore[arg-type]
+    MATRIX_TABLES.append(f"{matrix.table()}\n({len(matrix.cells)} cells in {matrix.seconds:.1f} s)")
+
+    assert len(matrix.cells) == 25
+    assert not matrix.failures, matrix.table()
+
+
+def test_bf16_mixed_precision_checkpoints_cross_between_strategies(tmp_path: Path) -> None:
+    strategies = [
+        MatrixStrategy(f"{strategy.label} bf16", strategy.factory, strategy.devices, precision="bf16-mixed")
+        for strategy in default_strategies()
+        if strategy.label in ("ddp", "ddp_sharded", "fsdp2")
+    ]
+    matrix = run_matrix(strategies, tmp_path)
+    MATRIX_TABLES.append(matrix.table())
+
+    assert not matrix.failures, matrix.table()
+
+
+def test_full_checkpoints_move_from_two_processes_to_three(tmp_path: Path) -> None:
+    ours = [
+        strategy for strategy in default_strategies() if strategy.label in ("ddp_sharded", "fsdp_fairscale", "fsdp2")
+    ]
+    three = [MatrixStrategy(f"{strategy.label} x3", strategy.factory, devices=3) for strategy in ours]
+    matrix = run_matrix(three, tmp_path, rows=ours)
+    MATRIX_TABLES.append(matrix.table())
+
+    assert len(matrix.cells) == 9
+    assert not matrix.failures, matrix.table()
+
+
+def test_a_strategy_that_saves_wrong_state_fails_the_matrix_naming_the_cell(tmp_path: Path) -> None:
+    naive = MatrixStrategy("naive_sharded", lambda: NaiveShardedStrategy(start_method="fork"))
+    columns = [strategy for strategy in default_strategies() if strategy.label in ("ddp", "fsdp2")]
+    matrix = run_matrix(columns, tmp_path, rows=[naive])
+
+    failed = {(cell.saved_by, cell.resumed_by) for cell in matrix.failures}
+    assert {("naive_sharded", "ddp"), ("naive_sharded", "fsdp2"), ("naive_sharded", "(plain load)")} <= failed
+    table = matrix.table()
+    assert "| naive_sharded | FAIL: resume raised" in table
+    assert "module." in table  # the wrapper prefix that leaked into the keys is named
