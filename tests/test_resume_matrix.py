@@ -24,7 +24,7 @@ def test_bf16_mixed_precision_checkpoints_cross_between_strategies(tmp_path: Pat
     strategies = [
         MatrixStrategy(f"{strategy.label} bf16", strategy.factory, strategy.devices, precision="bf16-mixed")
         for strategy in default_strategies()
-        if strategy.label in ("ddp", "ddp_sharded", "fsdp2")
+        if strategy.label in ("single_device", "ddp", "ddp_sharded", "fsdp_fairscale", "fsdp2")
     ]
     matrix = run_matrix(strategies, tmp_path)
     MATRIX_TABLES.append(matrix.table())

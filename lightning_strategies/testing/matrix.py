@@ -7,8 +7,8 @@ fresh run resumes from A's first checkpoint and trains to the end of the second 
   counters), checked by saving again right after the restore, before any step;
 * B's final weights equal A's uninterrupted run (1e-5) — where the math allows: a different world size gives each
   step different samples (Lightning's ``DistributedSampler``), so there the cell only checks the restore;
-* A's checkpoint loads with plain ``torch.load(weights_only=True)`` and ``LightningModule.load_from_checkpoint(
-  strict=True)`` (checked once per row).
+* every checkpoint of the matrix (A's, and B's final one) loads with plain ``torch.load(weights_only=True)`` and
+  ``LightningModule.load_from_checkpoint(strict=True)``.
 
 ``python -m lightning_strategies.testing.matrix --out docs/resume-matrix.md`` regenerates the table for the docs.
 """
@@ -233,6 +233,9 @@ def run_matrix(
                     f"counters differ: resumed at epoch/step {restored['epoch']}/{restored['global_step']} from a"
                     f" checkpoint saved at the end of epoch {saved['epoch']}, step {saved['global_step']}"
                 )
+            cell.problems += [
+                f"its final checkpoint: {problem}" for problem in _row_problems(cell_dir / "epoch=1.ckpt")
+            ]
             if saver.devices != resumer.devices:
                 cell.notes.append(f"world size {saver.devices}->{resumer.devices}: restore checked, not the math")
                 continue
