@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import socket
 import warnings
@@ -10,9 +11,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import lightning_strategies  # noqa: F401  (registers the strategy names)
+
+# Forked workers must not inherit a busy OpenMP pool (libgomp is not fork-safe: a one-process fork run then hangs in
+# its first parallel op). One thread in this process and in every worker: also the fastest on 2 cores.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 def free_loopback_port() -> int:
@@ -39,6 +46,11 @@ def nothing_left_behind() -> Iterator[None]:
     forked workers of later tests would inherit them and take the processes as launched from outside."""
     environment = dict(os.environ)
     yield
+    # Workers of a failed run may outlive it (stuck in a collective with a dead peer): they would hold the port and
+    # block the interpreter's exit, which joins every child.
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=5)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     os.environ.clear()
