@@ -36,7 +36,6 @@ from typing_extensions import override
 
 from lightning_strategies import fairscale_cpu
 from lightning_strategies.checkpoint import (
-    METADATA_KEY,
     CheckpointFormatError,
     CheckpointMetadata,
     check_model_state,
@@ -45,6 +44,7 @@ from lightning_strategies.checkpoint import (
     to_cpu_state,
 )
 from lightning_strategies.checkpoint.flat import gather_full, local_shard, split_full
+from lightning_strategies.checkpoint.sharded import read_sharded_meta, write_sharded_meta
 from lightning_strategies.strategies.base import DirectReferenceStrategy, StartMethod
 from lightning_strategies.strategies.launcher import CanonicalStateLauncher
 from lightning_strategies.strategies.optimizers import rebuild_optimizer, retarget_schedulers
@@ -57,7 +57,6 @@ FAIRSCALE_SEGMENTS = ("_fsdp_wrapped_module", "_fpw_module")
 FSDP_KWARGS = frozenset(inspect.signature(FSDP.__init__).parameters) - {"self", "module", "compute_device"}
 
 SHARDED_RANK_FILE = "rank{rank}.pt"
-SHARDED_META_FILE = "meta.pt"
 
 
 def _canonical(path: str) -> str:
@@ -589,9 +588,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         shard = {"state_dict": checkpoint["state_dict"], "optimizer_states": checkpoint.get("optimizer_states", [])}
         self.checkpoint_io.save_checkpoint(shard, directory / SHARDED_RANK_FILE.format(rank=self.global_rank))
         if self.is_global_zero:
-            rest = {key: value for key, value in checkpoint.items() if key not in shard}
-            rest[METADATA_KEY] = self.checkpoint_metadata().to_dict()
-            self.checkpoint_io.save_checkpoint(rest, directory / SHARDED_META_FILE)
+            write_sharded_meta(self.checkpoint_io, checkpoint, self.checkpoint_metadata(), directory)
         self.barrier("sharded checkpoint written")
 
     @override
@@ -600,15 +597,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         if not directory.is_dir():
             self._loaded_sharded = False
             return super().load_checkpoint(checkpoint_path, weights_only)
-        source = f"Sharded checkpoint {str(directory)!r}"
+        meta, metadata, source = read_sharded_meta(directory)
         self._checkpoint_source = source
-        meta_path = directory / SHARDED_META_FILE
-        if not meta_path.exists():
-            raise CheckpointFormatError(f"{source} has no {SHARDED_META_FILE}; it is not a sharded checkpoint.")
-        meta = read_checkpoint(meta_path)
-        metadata = CheckpointMetadata.read(meta, source=source)
-        if metadata is None or metadata.state_dict_type != "sharded":
-            raise CheckpointFormatError(f"{source}: {SHARDED_META_FILE} does not describe a sharded checkpoint.")
         if metadata.strategy != self.strategy_name or metadata.world_size != self.world_size:
             raise CheckpointFormatError(
                 f"{source} was written by {metadata.strategy!r} at world size {metadata.world_size}; this run is"

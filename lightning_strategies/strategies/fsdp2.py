@@ -37,15 +37,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_strategies.checkpoint import (
-    METADATA_KEY,
     CheckpointFormatError,
     CheckpointMetadata,
     check_model_state,
-    read_checkpoint,
 )
+from lightning_strategies.checkpoint.sharded import read_sharded_meta, write_sharded_meta
 from lightning_strategies.strategies.base import DirectReferenceStrategy, StartMethod
 
-SHARDED_META_FILE = "meta.pt"
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
@@ -301,9 +299,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         sharded = {"model": checkpoint["state_dict"], "optimizers": checkpoint.get("optimizer_states", [])}
         dcp_save(sharded, checkpoint_id=directory)
         if self.is_global_zero:
-            rest = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
-            rest[METADATA_KEY] = self.checkpoint_metadata().to_dict()
-            self.checkpoint_io.save_checkpoint(rest, directory / SHARDED_META_FILE)
+            write_sharded_meta(self.checkpoint_io, checkpoint, self.checkpoint_metadata(), directory)
         self.barrier("sharded checkpoint written")
 
     @override
@@ -312,14 +308,9 @@ class FSDP2Strategy(DirectReferenceStrategy):
         if not directory.is_dir():
             self._sharded_directory = None
             return super().load_checkpoint(checkpoint_path, weights_only)
-        source = f"Sharded checkpoint {str(directory)!r}"
+        meta, metadata, source = read_sharded_meta(directory)
         self._checkpoint_source = source
-        meta_path = directory / SHARDED_META_FILE
-        if not meta_path.exists():
-            raise CheckpointFormatError(f"{source} has no {SHARDED_META_FILE}; it is not a sharded checkpoint.")
-        meta = read_checkpoint(meta_path)
-        metadata = CheckpointMetadata.read(meta, source=source)
-        if metadata is None or metadata.state_dict_type != "sharded" or metadata.strategy != self.strategy_name:
+        if metadata.strategy != self.strategy_name:
             raise CheckpointFormatError(
                 f"{source} was not written by {self.strategy_name!r} with state_dict_type='sharded' ({metadata})."
                 " Consolidate it into a full checkpoint to load it with another strategy."
