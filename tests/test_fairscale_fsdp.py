@@ -370,3 +370,10 @@ def test_after_an_in_process_fit_the_module_is_plain_again_and_runs_the_next_sta
     ]
     (result,) = trainer.test(model, verbose=False)
     assert result["test_loss"] == pytest.approx(_plain_loss(model, 98), abs=1e-6)
+
+
+def test_a_sharded_checkpoint_without_its_completion_marker_is_refused(tmp_path: Path) -> None:
+    saved = _save_sharded(tmp_path)
+    (saved / "meta.pt").unlink()  # as if the save had been killed before its last write
+    with pytest.raises(Exception, match=r"has no meta.pt: its save did not finish"):
+        fit(fsdp(state_dict_type="sharded"), new_model(), ckpt_path=saved)

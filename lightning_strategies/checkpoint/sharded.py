@@ -45,7 +45,10 @@ def read_sharded_meta(directory: Path) -> tuple[dict[str, Any], CheckpointMetada
     source = f"Sharded checkpoint {str(directory)!r}"
     meta_path = directory / SHARDED_META_FILE
     if not meta_path.exists():
-        raise CheckpointFormatError(f"{source} has no {SHARDED_META_FILE}; it is not a sharded checkpoint.")
+        raise CheckpointFormatError(
+            f"{source} has no {SHARDED_META_FILE}: its save did not finish ({SHARDED_META_FILE} is written last, once"
+            " every rank wrote its shards) or it is not a sharded checkpoint. Resume from an earlier checkpoint."
+        )
     meta = read_checkpoint(meta_path)
     metadata = CheckpointMetadata.read(meta, source=source)
     if metadata is None or metadata.state_dict_type != "sharded":

@@ -9,9 +9,10 @@ to wrap and how to read/write its sharded state; see ``docs/`` ("Writing your ow
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import pytorch_lightning as pl
@@ -53,7 +54,9 @@ from lightning_strategies.checkpoint import (
     require_full_checkpoint,
     to_cpu_state,
 )
+from lightning_strategies.checkpoint.atomic import AtomicTorchCheckpointIO
 from lightning_strategies.checkpoint.errors import CheckpointFormatError
+from lightning_strategies.checkpoint.sharded import SHARDED_META_FILE, write_sharded_meta
 from lightning_strategies.strategies.launcher import CanonicalStateLauncher
 from lightning_strategies.strategies.redirection import ForwardRedirection
 
@@ -108,6 +111,18 @@ class DirectReferenceStrategy(ParallelStrategy):
         self._start_method: StartMethod = start_method
         self._checkpoint_source = "the checkpoint"
         self._final_model_state: dict[str, Any] | None = None
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """The checkpoint IO plugin; by default one whose local saves are atomic (never a torn file)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicTorchCheckpointIO()
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
 
     # ------------------------------------------------------------------ the direct reference
 
@@ -399,6 +414,27 @@ class DirectReferenceStrategy(ParallelStrategy):
         if self.is_global_zero:
             stamped = {**checkpoint, METADATA_KEY: self.checkpoint_metadata().to_dict()}
             self.checkpoint_io.save_checkpoint(stamped, filepath, storage_options=storage_options)
+
+    def save_sharded(self, checkpoint: dict[str, Any], directory: Path, write_shards: Callable[[], None]) -> None:
+        """Writes a sharded checkpoint directory whose ``meta.pt`` marks it complete.
+
+        ``meta.pt`` is removed before any shard changes and written (atomically, by rank 0) after every rank wrote
+        its shards, so a directory with ``meta.pt`` is never a mix of two saves or a partial one.
+
+        Args:
+            checkpoint: What Lightning dumped; its state entries are the ranks' shards.
+            directory: The checkpoint directory.
+            write_shards: Writes this rank's shards into ``directory`` (a collective for some formats).
+        """
+        if self.is_global_zero:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / SHARDED_META_FILE).unlink(missing_ok=True)
+        self.barrier("sharded checkpoint started")
+        write_shards()
+        self.barrier("sharded checkpoint shards written")
+        if self.is_global_zero:
+            write_sharded_meta(self.checkpoint_io, checkpoint, self.checkpoint_metadata(), directory)
+        self.barrier("sharded checkpoint complete")
 
     # ------------------------------------------------------------------ state in: validated, then loaded
 

@@ -44,7 +44,7 @@ from lightning_strategies.checkpoint import (
     to_cpu_state,
 )
 from lightning_strategies.checkpoint.flat import gather_full, local_shard, split_full
-from lightning_strategies.checkpoint.sharded import read_sharded_meta, write_sharded_meta
+from lightning_strategies.checkpoint.sharded import read_sharded_meta
 from lightning_strategies.strategies.base import DirectReferenceStrategy, StartMethod
 from lightning_strategies.strategies.launcher import CanonicalStateLauncher
 from lightning_strategies.strategies.optimizers import rebuild_optimizer, retarget_schedulers
@@ -584,12 +584,9 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         directory = Path(filepath)
-        directory.mkdir(parents=True, exist_ok=True)
         shard = {"state_dict": checkpoint["state_dict"], "optimizer_states": checkpoint.get("optimizer_states", [])}
-        self.checkpoint_io.save_checkpoint(shard, directory / SHARDED_RANK_FILE.format(rank=self.global_rank))
-        if self.is_global_zero:
-            write_sharded_meta(self.checkpoint_io, checkpoint, self.checkpoint_metadata(), directory)
-        self.barrier("sharded checkpoint written")
+        rank_file = directory / SHARDED_RANK_FILE.format(rank=self.global_rank)
+        self.save_sharded(checkpoint, directory, lambda: self.checkpoint_io.save_checkpoint(shard, rank_file))
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

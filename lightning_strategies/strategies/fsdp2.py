@@ -41,7 +41,7 @@ from lightning_strategies.checkpoint import (
     CheckpointMetadata,
     check_model_state,
 )
-from lightning_strategies.checkpoint.sharded import read_sharded_meta, write_sharded_meta
+from lightning_strategies.checkpoint.sharded import read_sharded_meta
 from lightning_strategies.strategies.base import DirectReferenceStrategy, StartMethod
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -297,10 +297,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
             return
         directory = Path(filepath)
         sharded = {"model": checkpoint["state_dict"], "optimizers": checkpoint.get("optimizer_states", [])}
-        dcp_save(sharded, checkpoint_id=directory)
-        if self.is_global_zero:
-            write_sharded_meta(self.checkpoint_io, checkpoint, self.checkpoint_metadata(), directory)
-        self.barrier("sharded checkpoint written")
+        self.save_sharded(checkpoint, directory, lambda: dcp_save(sharded, checkpoint_id=directory))
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
