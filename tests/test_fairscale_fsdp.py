@@ -352,10 +352,6 @@ def test_the_script_launched_variants_conform_on_one_process(tmp_path: Path, nam
     assert_strategy_conforms(lambda: name, tmp_path, devices=1)
 
 
-def test_the_spawn_variant_conforms(tmp_path: Path) -> None:
-    assert_strategy_conforms(lambda: "fsdp_fairscale_spawn", tmp_path)
-
-
 def test_after_an_in_process_fit_the_module_is_plain_again_and_runs_the_next_stage() -> None:
     model = new_model()
     trainer = pl.Trainer(strategy="fsdp_fairscale", accelerator="cpu", devices=1, logger=False, max_epochs=1)
