@@ -320,6 +320,9 @@ class DirectReferenceStrategy(ParallelStrategy):
             # The launcher sends the trained weights to the main process after teardown, when the wrapper that
             # could gather them is gone: take them now, while every rank still holds its shard.
             self._final_model_state = self.full_model_state()
+            # Leave together: a spawned rank that exits while its peer still finishes the gather's last collective
+            # closes the peer's gloo connection under it, and the peer aborts (SIGABRT) on its way out.
+            self.barrier("final model state gathered")
         if self._precision_plugin is not None:
             vars(self._precision_plugin).pop("clip_grad_by_norm", None)
         if module is not None:
