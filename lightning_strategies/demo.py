@@ -22,19 +22,9 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 import lightning_strategies  # noqa: F401  (registers the strategy names)
-from lightning_strategies.testing import ConformanceModel
+from lightning_strategies.testing import ConformanceModel, SaveAfterRestore, max_state_difference
 
 SEED = 42
-
-
-class _SnapshotAfterRestore(pl.Callback):
-    """Saves what a resumed run holds right after restoring, before its first step."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.save_checkpoint(self.path)
 
 
 @dataclass
@@ -75,10 +65,6 @@ def _train(
     return _Run(label, strategy, losses, {key: value.clone() for key, value in model.state_dict().items()})
 
 
-def _max_difference(left: dict[str, Any], right: dict[str, Any]) -> float:
-    return max(float((value - right[key]).abs().max()) for key, value in left.items())
-
-
 def run_demo(out: Path, devices: int = 2, epochs_before: int = 2, epochs_after: int = 2) -> dict[str, Any]:
     """Runs the demo and returns its report (also written to ``out/report.json``).
 
@@ -103,13 +89,15 @@ def run_demo(out: Path, devices: int = 2, epochs_before: int = 2, epochs_after: 
         devices,
         total,
         ckpt_path=saved,
-        callbacks=[_SnapshotAfterRestore(restored)],
+        callbacks=[SaveAfterRestore(restored)],
     )
     reference = _train("uninterrupted sharded", "ddp_sharded_fork", out, devices, total)
 
     checkpoint = torch.load(saved, weights_only=True)
     after_restore = torch.load(restored, weights_only=True)
     steps_before = len(first.losses)
+    restored_difference, _ = max_state_difference(after_restore["state_dict"], checkpoint["state_dict"])
+    final_difference, _ = max_state_difference(resumed.state, reference.state)
     report = {
         "checkpoint": str(saved),
         "written_by": checkpoint.get("lightning_strategies"),
@@ -118,8 +106,8 @@ def run_demo(out: Path, devices: int = 2, epochs_before: int = 2, epochs_after: 
         "last_loss_before_resume": first.losses[-1],
         "first_loss_after_resume": resumed.losses[0],
         "uninterrupted_loss_at_that_step": reference.losses[steps_before],
-        "restored_weights_max_difference": _max_difference(after_restore["state_dict"], checkpoint["state_dict"]),
-        "final_weights_max_difference_to_uninterrupted": _max_difference(resumed.state, reference.state),
+        "restored_weights_max_difference": restored_difference,
+        "final_weights_max_difference_to_uninterrupted": final_difference,
         "final_loss_resumed": resumed.losses[-1],
         "final_loss_uninterrupted": reference.losses[-1],
     }

@@ -13,7 +13,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import Strategy
 
 from lightning_strategies import ShardedDDPStrategy
-from lightning_strategies.testing import ConformanceModel
+from lightning_strategies.testing import ConformanceModel, SaveAfterRestore
 from tests.conftest import trainer_kwargs
 
 
@@ -80,16 +80,6 @@ class RankRecorder(pl.Callback):
         return [json.loads((self.directory / f"{self.hook}-rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
-class SaveOnTrainStart(pl.Callback):
-    """Saves a checkpoint right after a resumed run restored its state, before any step."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        trainer.save_checkpoint(self.path)
-
-
 class GuardedShardedStrategy(ShardedDDPStrategy):
     """Records, on every rank, whether the weights after a refused restore equal the ones before it."""
 
@@ -115,7 +105,7 @@ def assert_resume_restores_exactly(tmp_path: Path, saved_by: Any, resumed_by: An
     """Saved by one strategy, restored by another, saved again before any step: model and optimizer state equal."""
     saved = train_and_save(saved_by, tmp_path / "saved", optimizer)
     restored = tmp_path / "restored.ckpt"
-    fit(resumed_by, new_model(optimizer, seed=11), ckpt_path=saved, callbacks=[SaveOnTrainStart(restored)])
+    fit(resumed_by, new_model(optimizer, seed=11), ckpt_path=saved, callbacks=[SaveAfterRestore(restored)])
 
     before = torch.load(saved, weights_only=True)
     after = torch.load(restored, weights_only=True)

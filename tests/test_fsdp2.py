@@ -14,10 +14,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_strategies import FSDP2Strategy
-from lightning_strategies.testing import ConformanceModel, assert_strategy_conforms
+from lightning_strategies.testing import ConformanceModel, SaveAfterRestore, assert_strategy_conforms
 from tests.helpers import (
     RankRecorder,
-    SaveOnTrainStart,
     assert_resume_continues_the_run,
     assert_resume_restores_exactly,
     assert_same_weights,
@@ -183,7 +182,7 @@ def test_a_sharded_checkpoint_resumes_at_any_world_size_with_the_saved_weights(t
     reference = _train_one_epoch_full(tmp_path / "reference")
     saved = _save_sharded(tmp_path / "saved")
     full = tmp_path / "restored.ckpt"
-    fit(fsdp2(), new_model(seed=11), ckpt_path=saved, callbacks=[SaveOnTrainStart(full)], devices=devices)
+    fit(fsdp2(), new_model(seed=11), ckpt_path=saved, callbacks=[SaveAfterRestore(full)], devices=devices)
 
     restored = torch.load(full, weights_only=True)
     for key, value in reference["state_dict"].items():
@@ -204,7 +203,7 @@ def test_a_sharded_checkpoint_saved_by_one_process_resumes_on_two(tmp_path: Path
     saved = tmp_path / "one" / "epoch=0.ckpt"
 
     full = tmp_path / "restored.ckpt"
-    fit(fsdp2(), new_model(seed=11), ckpt_path=saved, callbacks=[SaveOnTrainStart(full)], devices=2)
+    fit(fsdp2(), new_model(seed=11), ckpt_path=saved, callbacks=[SaveAfterRestore(full)], devices=2)
     restored = torch.load(full, weights_only=True)
     assert sorted(restored["optimizer_states"][0]["state"]) == [0, 1, 2, 3]
     assert list(restored["state_dict"]) == list(ConformanceModel().state_dict())

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightning_strategies.checkpoint import check_model_state
-from lightning_strategies.testing import ConformanceModel
-from tests.helpers import SaveOnTrainStart, fit, new_model
+from lightning_strategies.testing import ConformanceModel, SaveAfterRestore
+from tests.helpers import fit, new_model
 
 SCRIPT = Path(__file__).parent / "scripts" / "train.py"
 
@@ -75,7 +75,7 @@ def test_two_nodes_train_and_save_and_one_process_resumes(
     assert checkpoint["lightning_strategies"]["world_size"] == 2
 
     restored = tmp_path / "restored.ckpt"
-    fit(strategy, new_model(seed=11), ckpt_path=saved, callbacks=[SaveOnTrainStart(restored)], devices=1)
+    fit(strategy, new_model(seed=11), ckpt_path=saved, callbacks=[SaveAfterRestore(restored)], devices=1)
     after = torch.load(restored, weights_only=True)
     for key, value in checkpoint["state_dict"].items():
         assert torch.equal(value, after["state_dict"][key]), key

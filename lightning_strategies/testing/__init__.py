@@ -9,15 +9,18 @@ from lightning_strategies.testing.conformance import (
     check_strategy,
 )
 from lightning_strategies.testing.models import ConformanceModel, make_dataset, probe_input
+from lightning_strategies.testing.state import SaveAfterRestore, max_state_difference
 
 __all__ = [
     "CheckResult",
     "ConformanceError",
     "ConformanceModel",
     "ConformanceReport",
+    "SaveAfterRestore",
     "StrategyFactory",
     "assert_strategy_conforms",
     "check_strategy",
     "make_dataset",
+    "max_state_difference",
     "probe_input",
 ]

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from lightning_strategies.checkpoint import METADATA_KEY, CheckpointMetadata, check_model_state
 from lightning_strategies.checkpoint.optimizer_state import PARAM_SHAPED_STATE
 from lightning_strategies.testing.models import ConformanceModel, OptimizerName, make_dataset, probe_input
+from lightning_strategies.testing.state import max_state_difference
 
 StrategyFactory = Callable[[], Strategy | str]
 
@@ -123,26 +124,6 @@ def _describe(error: BaseException) -> str:
         last_frame = max(index for index, line in enumerate(lines) if line.startswith("  "))
         text = " ".join(lines[last_frame + 1 :]).strip() or text
     return " ".join(text.split())[:700]
-
-
-def _max_difference(left: Mapping[str, Any], right: Mapping[str, Any]) -> tuple[float, str]:
-    """Largest absolute difference over the tensors of two states; infinite where keys or shapes differ."""
-    if set(left) != set(right):
-        differing = sorted(set(left) ^ set(right))
-        return float("inf"), f"keys only on one side: {differing[:3]}"
-    worst, worst_key = 0.0, ""
-    for key, value in left.items():
-        other = right[key]
-        if not isinstance(value, Tensor) or not isinstance(other, Tensor):
-            continue
-        # A module that stays sharded after an in-process run (FSDP2) holds DTensors: compare their full values.
-        value, other = (getattr(t, "full_tensor", lambda t=t: t)() for t in (value, other))
-        if value.shape != other.shape:
-            return float("inf"), f"{key} (shapes {tuple(value.shape)} and {tuple(other.shape)})"
-        difference = float((value.double() - other.double()).abs().max()) if value.numel() else 0.0
-        if difference > worst:
-            worst, worst_key = difference, key
-    return worst, worst_key
 
 
 def _flatten_optimizer_state(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -288,7 +269,7 @@ class _Kit:
 
         loaded = self.run("load_from_checkpoint", load)
         if loaded is not None:
-            worst, key = _max_difference(loaded.state_dict(), state)
+            worst, key = max_state_difference(loaded.state_dict(), state)
             self.report.add(
                 "load_from_checkpoint",
                 worst == 0.0,
@@ -328,7 +309,7 @@ class _Kit:
 
     def check_parent_weights(self, model: nn.Module, checkpoint: Mapping[str, Any]) -> None:
         compared = self.run(
-            "parent_process_weights", lambda: _max_difference(model.state_dict(), checkpoint["state_dict"])
+            "parent_process_weights", lambda: max_state_difference(model.state_dict(), checkpoint["state_dict"])
         )
         if compared is None:
             return
@@ -352,13 +333,13 @@ class _Kit:
             self.report.add("resume", False, f"the resumed run wrote no {final.name}")
             return
         resumed = torch.load(final, map_location="cpu", weights_only=True)
-        worst, key = _max_difference(resumed["state_dict"], reference["state_dict"])
+        worst, key = max_state_difference(resumed["state_dict"], reference["state_dict"])
         self.report.add(
             "resume_weights",
             worst <= RESUME_ATOL,
             f"resumed at epoch 1 == uninterrupted run (max |diff| {worst:.2e}{f' at {key!r}' if key else ''})",
         )
-        worst, key = _max_difference(
+        worst, key = max_state_difference(
             _flatten_optimizer_state(resumed["optimizer_states"][0]),
             _flatten_optimizer_state(reference["optimizer_states"][0]),
         )

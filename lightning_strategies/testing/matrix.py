@@ -26,8 +26,9 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from lightning_strategies.testing.conformance import StrategyFactory, _max_difference
+from lightning_strategies.testing.conformance import StrategyFactory
 from lightning_strategies.testing.models import ConformanceModel, OptimizerName
+from lightning_strategies.testing.state import SaveAfterRestore, max_state_difference
 
 WEIGHTS_ATOL = 1e-5
 STATE_ATOL = 1e-6
@@ -121,14 +122,6 @@ def _model(optimizer: OptimizerName) -> ConformanceModel:
     return ConformanceModel(optimizer=optimizer)
 
 
-class _SaveAfterRestore(pl.Callback):
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.save_checkpoint(self.path)
-
-
 def _load(path: Path) -> dict[str, Any]:
     loaded: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
     return loaded
@@ -215,13 +208,13 @@ def run_matrix(
             cell_dir = row_dir / f"resumed-by-{resumer.label}"
             restored_path = cell_dir / "restored.ckpt"
             try:
-                trainer = _trainer(resumer, cell_dir, [_SaveAfterRestore(restored_path)])
+                trainer = _trainer(resumer, cell_dir, [SaveAfterRestore(restored_path)])
                 trainer.fit(_model(optimizer), ckpt_path=saved_path)
             except Exception as error:
                 cell.problems.append(f"resume raised {str(error).strip().splitlines()[-1][:200]}")
                 continue
             restored = _load(restored_path)
-            worst, key = _max_difference(saved["state_dict"], restored["state_dict"])
+            worst, key = max_state_difference(saved["state_dict"], restored["state_dict"])
             if worst != 0.0:
                 cell.problems.append(f"restored weights differ ({key}: {worst:.2e})")
             cell.problems += _optimizer_differences(saved, restored)
@@ -240,7 +233,7 @@ def run_matrix(
                 cell.notes.append(f"world size {saver.devices}->{resumer.devices}: restore checked, not the math")
                 continue
             final = _load(cell_dir / "epoch=1.ckpt")
-            worst, key = _max_difference(uninterrupted["state_dict"], final["state_dict"])
+            worst, key = max_state_difference(uninterrupted["state_dict"], final["state_dict"])
             if worst > WEIGHTS_ATOL:
                 cell.problems.append(f"final weights differ from the uninterrupted run ({key}: {worst:.2e})")
     matrix.seconds = time.perf_counter() - started
