@@ -2,9 +2,12 @@
 """The project's two commands, runnable with nothing but Python 3.11:
 
     python3 dev.py demo    # train with ddp_sharded on 2 CPU processes, resume with upstream ddp, print a report
-    python3 dev.py test    # ruff, mypy --strict and the whole test suite
+    python3 dev.py test    # ruff, mypy --strict and the test suite, under pytorch_lightning and under lightning
 
-Both create ``.venv`` on first use and install the pinned versions from ``constraints.txt`` (torch's CPU wheel).
+``test`` builds two environments from the pins in ``constraints.txt`` (torch's CPU wheel): ``.venv`` with
+``pytorch-lightning`` and ``.venv-lightning`` with the unified ``lightning`` package only. The whole suite runs in
+the first; the tests marked ``both_packages`` (conformance kit, cross-strategy resumes, cross-package checkpoints)
+run again in the second. ``demo`` needs only ``.venv``.
 Extra arguments go to the demo or to pytest, e.g. ``python3 dev.py test -k sharded``.
 """
 
@@ -15,48 +18,90 @@ import os
 import subprocess
 import sys
 import venv
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-VENV = ROOT / ".venv"
-BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
-PYTHON = BIN / "python"
-STAMP = VENV / ".installed"
 
 
-def _run(*command: str | Path) -> None:
+@dataclass(frozen=True)
+class Environment:
+    """A virtual environment with one of the two Lightning packages."""
+
+    directory: Path
+    lightning_package: str  # the pip distribution: "pytorch-lightning" or "lightning"
+
+    @property
+    def bin(self) -> Path:
+        return self.directory / ("Scripts" if os.name == "nt" else "bin")
+
+    @property
+    def python(self) -> Path:
+        return self.bin / "python"
+
+
+PYTORCH_LIGHTNING_ENV = Environment(ROOT / ".venv", "pytorch-lightning")
+LIGHTNING_ENV = Environment(ROOT / ".venv-lightning", "lightning")
+
+# `lightning` declares `pytorch-lightning` as a requirement but never imports it; installing its other requirements
+# by hand gives an environment where only `lightning.pytorch` exists, which is what its users may have.
+_LIGHTNING_REQUIREMENTS = """
+import importlib.metadata, re
+for requirement in importlib.metadata.requires("lightning") or []:
+    name = re.split(r"[ ;<>=!~\\[]", requirement, maxsplit=1)[0]
+    if "extra ==" not in requirement and name.lower() != "pytorch-lightning":
+        print(requirement.split(";")[0])
+"""
+
+
+def _run(*command: str | Path, env: dict[str, str] | None = None) -> None:
     print("+", " ".join(str(part) for part in command), flush=True)
-    result = subprocess.run([str(part) for part in command], cwd=ROOT, check=False)
+    result = subprocess.run([str(part) for part in command], cwd=ROOT, check=False, env=env)
     if result.returncode != 0:
         sys.exit(result.returncode)
 
 
-def _ensure_environment() -> None:
+def _ensure(environment: Environment) -> None:
+    stamp = environment.directory / ".installed"
     digest = hashlib.sha256(
-        b"".join((ROOT / name).read_bytes() for name in ("pyproject.toml", "constraints.txt"))
+        b"".join((ROOT / name).read_bytes() for name in ("pyproject.toml", "constraints.txt", "dev.py"))
     ).hexdigest()
-    if STAMP.exists() and STAMP.read_text() == digest:
+    if stamp.exists() and stamp.read_text() == digest:
         return
-    if not PYTHON.exists():
-        venv.EnvBuilder(with_pip=True).create(VENV)
-    _run(PYTHON, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
-    _run(PYTHON, "-m", "pip", "install", "--quiet", "-c", "constraints.txt", "-e", ".[test]")
-    STAMP.write_text(digest)
+    if not environment.python.exists():
+        venv.EnvBuilder(with_pip=True).create(environment.directory)
+    pip = (environment.python, "-m", "pip", "install", "--quiet", "-c", "constraints.txt")
+    _run(environment.python, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
+    if environment.lightning_package == "pytorch-lightning":
+        _run(*pip, "-e", ".[pytorch-lightning,plots,test]")
+    else:
+        _run(*pip, "-e", ".[plots,test]")
+        _run(*pip, "--no-deps", "lightning")
+        listed = subprocess.run(
+            [str(environment.python), "-c", _LIGHTNING_REQUIREMENTS], capture_output=True, text=True, check=True
+        )
+        _run(*pip, *listed.stdout.split())
+    stamp.write_text(digest)
 
 
 def main(argv: list[str]) -> None:
     if not argv or argv[0] not in ("demo", "test"):
         print(__doc__)
         sys.exit(2)
-    _ensure_environment()
     command, rest = argv[0], argv[1:]
+    main_env = PYTORCH_LIGHTNING_ENV
+    _ensure(main_env)
     if command == "demo":
-        _run(PYTHON, "-m", "lightning_strategies.demo", *rest)
+        _run(main_env.python, "-m", "lightning_strategies.demo", *rest)
         return
-    _run(BIN / "ruff", "check", ".")
-    _run(BIN / "ruff", "format", "--check", ".")
-    _run(BIN / "mypy", "lightning_strategies")
-    _run(PYTHON, "-m", "pytest", *rest)
+    _ensure(LIGHTNING_ENV)
+    _run(main_env.bin / "ruff", "check", ".")
+    _run(main_env.bin / "ruff", "format", "--check", ".")
+    _run(main_env.bin / "mypy", "lightning_strategies")
+    _run(main_env.python, "-m", "pytest", *rest)
+    if not rest:
+        env = {**os.environ, "LIGHTNING_STRATEGIES_OTHER_PYTHON": str(main_env.python)}
+        _run(LIGHTNING_ENV.python, "-m", "pytest", "-m", "both_packages", env=env)
 
 
 if __name__ == "__main__":

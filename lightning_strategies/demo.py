@@ -17,12 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
 
-import lightning_strategies  # noqa: F401  (registers the strategy names)
-from lightning_strategies.testing import ConformanceModel, SaveAfterRestore, max_state_difference
+from ._lightning import FLAVOUR, ModelCheckpoint, pl
+from .testing import ConformanceModel, SaveAfterRestore, max_state_difference
 
 SEED = 42
 
@@ -150,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--epochs-before", type=int, default=2, help="epochs with ddp_sharded before saving")
     parser.add_argument("--epochs-after", type=int, default=2, help="epochs with ddp after resuming")
     args = parser.parse_args(argv)
-    logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)
+    logging.getLogger(FLAVOUR.pytorch).setLevel(logging.WARNING)
     logging.getLogger().setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     report = run_demo(args.out, args.devices, args.epochs_before, args.epochs_after)

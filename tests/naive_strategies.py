@@ -12,10 +12,10 @@ from typing import Any
 from fairscale.optim import OSS
 from torch.optim import Optimizer
 
-from lightning_strategies import ShardedDDPStrategy
+from tests.flavour import ours
 
 
-class NaiveShardedStrategy(ShardedDDPStrategy):
+class NaiveShardedStrategy(ours.ShardedDDPStrategy):  # type: ignore[misc]
     strategy_name = "naive_sharded"
 
     def _canonical_model_state(self) -> dict[str, Any]:

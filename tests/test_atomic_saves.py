@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy, ShardedDDPStrategy
-from lightning_strategies.checkpoint.atomic import AtomicTorchCheckpointIO, atomic_torch_save
+from lightning_strategies.checkpoint.atomic import atomic_torch_save
+from lightning_strategies.strategies.atomic_io import AtomicTorchCheckpointIO
 
 TRIALS = 20
 

@@ -373,3 +373,16 @@ def test_a_sharded_checkpoint_without_its_completion_marker_is_refused(tmp_path:
     (saved / "meta.pt").unlink()  # as if the save had been killed before its last write
     with pytest.raises(Exception, match=r"has no meta.pt: its save did not finish"):
         fit(fsdp(state_dict_type="sharded"), new_model(), ckpt_path=saved)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "popen"])
+def test_trainer_save_checkpoint_after_fit_holds_the_trained_weights(tmp_path: Path, start_method: str) -> None:
+    model = new_model()
+    devices = 2 if start_method == "fork" else 1
+    trainer = fit(FairScaleFSDPStrategy(start_method=start_method), model, devices=devices)  # type: ignore[arg-type]
+
+    trainer.save_checkpoint(tmp_path / "after-fit.ckpt")  # the FSDP root is gone: the module holds the weights
+
+    saved = torch.load(tmp_path / "after-fit.ckpt", weights_only=True)
+    for key, value in model.state_dict().items():
+        assert torch.equal(saved["state_dict"][key], value), key

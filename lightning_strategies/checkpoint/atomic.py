@@ -11,9 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning_fabric.utilities.types import _PATH
-from pytorch_lightning.plugins.io import TorchCheckpointIO
-from typing_extensions import override
 
 
 def atomic_torch_save(checkpoint: Any, path: str | Path) -> None:
@@ -40,14 +37,3 @@ def atomic_torch_save(checkpoint: Any, path: str | Path) -> None:
         os.fsync(directory)  # make the rename itself durable
     finally:
         os.close(directory)
-
-
-class AtomicTorchCheckpointIO(TorchCheckpointIO):
-    """Lightning's ``TorchCheckpointIO`` with atomic local saves (remote paths keep fsspec's behaviour)."""
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        if "://" in str(path) or storage_options is not None:
-            super().save_checkpoint(checkpoint, path, storage_options)
-            return
-        atomic_torch_save(checkpoint, path)

@@ -9,13 +9,14 @@ any shard.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-from lightning_fabric.plugins import CheckpointIO
+from typing import TYPE_CHECKING, Any
 
 from lightning_strategies.checkpoint.errors import CheckpointFormatError
 from lightning_strategies.checkpoint.io import read_checkpoint
 from lightning_strategies.checkpoint.metadata import METADATA_KEY, CheckpointMetadata
+
+if TYPE_CHECKING:  # the checkpoint package itself never imports Lightning (both flavours share it)
+    from lightning_fabric.plugins import CheckpointIO
 
 SHARDED_META_FILE = "meta.pt"
 SHARDED_STATE_KEYS = ("state_dict", "optimizer_states")

@@ -15,28 +15,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import pytorch_lightning as pl
 import torch
 import torch.distributed
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning_fabric.strategies.registry import _StrategyRegistry
-from lightning_fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning_fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
-from lightning_fabric.utilities.seed import reset_seed
-from lightning_fabric.utilities.types import _PATH
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from pytorch_lightning.core.optimizer import LightningOptimizer
-from pytorch_lightning.overrides.distributed import _sync_module_states
-from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
-from pytorch_lightning.strategies.parallel import ParallelStrategy
-from pytorch_lightning.strategies.strategy import TBroadcast
-from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.distributed.constants import default_pg_timeout
@@ -54,11 +35,33 @@ from lightning_strategies.checkpoint import (
     require_full_checkpoint,
     to_cpu_state,
 )
-from lightning_strategies.checkpoint.atomic import AtomicTorchCheckpointIO
 from lightning_strategies.checkpoint.errors import CheckpointFormatError
 from lightning_strategies.checkpoint.sharded import SHARDED_META_FILE, write_sharded_meta
-from lightning_strategies.strategies.launcher import CanonicalStateLauncher
-from lightning_strategies.strategies.redirection import ForwardRedirection
+
+from .._lightning import (
+    _PATH,
+    CheckpointIO,
+    ClusterEnvironment,
+    LightningOptimizer,
+    ParallelStrategy,
+    Precision,
+    TBroadcast,
+    TrainerFn,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _optimizer_to_device,
+    _optimizers_to_device,
+    _StrategyRegistry,
+    _SubprocessScriptLauncher,
+    _sync_ddp_if_available,
+    _sync_module_states,
+    pl,
+    reset_seed,
+)
+from .atomic_io import AtomicTorchCheckpointIO
+from .launcher import CanonicalStateLauncher
+from .redirection import ForwardRedirection
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 

@@ -17,17 +17,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-import pytorch_lightning as pl
 import torch
 from fairscale.internal.parallel import get_process_group_cached
 from fairscale.nn.data_parallel import FullyShardedDataParallel
 from fairscale.nn.misc.flatten_params_wrapper import FlatParameter
 from fairscale.nn.wrap import auto_wrap, default_auto_wrap_policy, enable_wrap
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning_fabric.strategies.registry import _StrategyRegistry
-from lightning_fabric.utilities.types import _PATH
 from lightning_utilities.core.rank_zero import rank_zero_warn
-from pytorch_lightning.plugins.precision import Precision
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module, Parameter
@@ -45,9 +40,11 @@ from lightning_strategies.checkpoint import (
 )
 from lightning_strategies.checkpoint.flat import gather_full, local_shard, split_full
 from lightning_strategies.checkpoint.sharded import read_sharded_meta
-from lightning_strategies.strategies.base import DirectReferenceStrategy, StartMethod
-from lightning_strategies.strategies.launcher import CanonicalStateLauncher
-from lightning_strategies.strategies.optimizers import rebuild_optimizer, retarget_schedulers
+
+from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl
+from .base import DirectReferenceStrategy, StartMethod
+from .launcher import CanonicalStateLauncher
+from .optimizers import rebuild_optimizer, retarget_schedulers
 
 FSDP = FullyShardedDataParallel
 
@@ -479,6 +476,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
 
     @override
     def _canonical_model_state(self) -> dict[str, Any]:
+        if not isinstance(self.model, FSDP):  # before setup or after teardown the module holds its full weights
+            return super()._canonical_model_state()
         state = self._root().state_dict()  # gathered through the root wrapper: canonical keys, full tensors
         return to_cpu_state(state) if self.is_global_zero else {}
 
@@ -518,6 +517,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
 
     @override
     def _canonical_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not isinstance(self.model, FSDP):  # not rebuilt over flat parameters: already canonical
+            return super()._canonical_optimizer_state(optimizer)
         layout = self._layout_of(optimizer)
         index = layout.index
         state: dict[int, dict[str, Any]] = {}

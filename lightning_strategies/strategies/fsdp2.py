@@ -12,11 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-import pytorch_lightning as pl
 import torch
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning_fabric.utilities.types import _PATH
-from pytorch_lightning.plugins.precision import Precision
 from torch import Tensor
 from torch.distributed._composable.checkpoint_activation import checkpoint as activation_checkpoint
 from torch.distributed.checkpoint.state_dict import (
@@ -42,7 +38,9 @@ from lightning_strategies.checkpoint import (
     check_model_state,
 )
 from lightning_strategies.checkpoint.sharded import read_sharded_meta
-from lightning_strategies.strategies.base import DirectReferenceStrategy, StartMethod
+
+from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, pl
+from .base import DirectReferenceStrategy, StartMethod
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -280,6 +278,9 @@ class FSDP2Strategy(DirectReferenceStrategy):
             optim_state_dict=by_name,
             options=StateDictOptions(full_state_dict=True),
         )
+        # torch's loader re-packs hyperparameters (Adam's ``betas`` tuple comes back a list): set them as saved.
+        for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+            group.update({key: value for key, value in saved.items() if key != "params"})
 
     # ------------------------------------------------------------------ sharded checkpoints (DCP)
 

@@ -11,12 +11,10 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, Any, Literal
 
-import pytorch_lightning as pl
-from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
-from pytorch_lightning.trainer.states import TrainerFn
+from .._lightning import TrainerFn, _MultiProcessingLauncher, _WorkerOutput, pl
 
 if TYPE_CHECKING:
-    from lightning_strategies.strategies.base import DirectReferenceStrategy
+    from .base import DirectReferenceStrategy
 from typing_extensions import override
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pytorch_lightning.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
+
+from .._lightning import LRSchedulerConfig
 
 
 def rebuild_optimizer(optimizer: Optimizer, param_groups: list[dict[str, Any]], index: int) -> Optimizer:

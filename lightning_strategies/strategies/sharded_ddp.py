@@ -8,19 +8,18 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from pytorch_lightning.plugins.precision import Precision
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_strategies.checkpoint import shallow_copy_state
-from lightning_strategies.strategies.base import DirectReferenceStrategy, StartMethod
-from lightning_strategies.strategies.optimizers import retarget_schedulers
+
+from .._lightning import CheckpointIO, ClusterEnvironment, Precision, pl
+from .base import DirectReferenceStrategy, StartMethod
+from .optimizers import retarget_schedulers
 
 # Keyword arguments ShardedDataParallel accepts besides the module and the optimizers it builds from.
 SHARDED_DDP_KWARGS = frozenset(inspect.signature(ShardedDataParallel.__init__).parameters) - {

@@ -1,6 +1,6 @@
 """Conformance kit: check any Lightning strategy (ours, upstream's, yours) against the direct-reference contract."""
 
-from lightning_strategies.testing.conformance import (
+from .conformance import (
     CheckResult,
     ConformanceError,
     ConformanceReport,
@@ -8,8 +8,8 @@ from lightning_strategies.testing.conformance import (
     assert_strategy_conforms,
     check_strategy,
 )
-from lightning_strategies.testing.models import ConformanceModel, make_dataset, probe_input
-from lightning_strategies.testing.state import SaveAfterRestore, max_state_difference
+from .models import ConformanceModel, make_dataset, probe_input
+from .state import SaveAfterRestore, max_state_difference
 
 __all__ = [
     "CheckResult",

@@ -17,16 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.strategies import Strategy
 from torch import Tensor, nn
 
 from lightning_strategies.checkpoint import METADATA_KEY, CheckpointMetadata, check_model_state
 from lightning_strategies.checkpoint.optimizer_state import PARAM_SHAPED_STATE
-from lightning_strategies.testing.models import ConformanceModel, OptimizerName, make_dataset, probe_input
-from lightning_strategies.testing.state import max_state_difference
+
+from .._lightning import ModelCheckpoint, Strategy, pl
+from .models import ConformanceModel, OptimizerName, make_dataset, probe_input
+from .state import max_state_difference
 
 StrategyFactory = Callable[[], Strategy | str]
 

@@ -22,13 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
 
-from lightning_strategies.testing.conformance import StrategyFactory
-from lightning_strategies.testing.models import ConformanceModel, OptimizerName
-from lightning_strategies.testing.state import SaveAfterRestore, max_state_difference
+from .._lightning import ModelCheckpoint, pl
+from .conformance import StrategyFactory
+from .models import ConformanceModel, OptimizerName
+from .state import SaveAfterRestore, max_state_difference
 
 WEIGHTS_ATOL = 1e-5
 STATE_ATOL = 1e-6
@@ -132,8 +131,14 @@ def _optimizer_differences(saved: dict[str, Any], restored: dict[str, Any]) -> l
     for index, (before, after) in enumerate(zip(saved["optimizer_states"], restored["optimizer_states"], strict=False)):
         if [g["params"] for g in before["param_groups"]] != [g["params"] for g in after["param_groups"]]:
             problems.append(f"optimizer {index} param groups differ")
-        if [g.get("lr") for g in before["param_groups"]] != [g.get("lr") for g in after["param_groups"]]:
-            problems.append(f"optimizer {index} learning rates differ")
+        for group, (saved_group, restored_group) in enumerate(
+            zip(before["param_groups"], after["param_groups"], strict=False)
+        ):
+            # Every hyperparameter verbatim (a tuple that came back as a list counts: it is not the same state).
+            differing = [key for key in saved_group if key != "params" and restored_group.get(key) != saved_group[key]]
+            differing += [key for key in saved_group if type(restored_group.get(key)) is not type(saved_group[key])]
+            if differing:
+                problems.append(f"optimizer {index} param group {group}: {sorted(set(differing))} differ")
         if before["state"].keys() != after["state"].keys():
             problems.append(
                 f"optimizer {index} has state for {sorted(after['state'])}, saved {sorted(before['state'])}"
@@ -254,8 +259,6 @@ def default_strategies() -> list[MatrixStrategy]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the default matrix for both optimizers and writes the tables; returns 1 if any cell failed."""
     import tempfile
-
-    import lightning_strategies  # noqa: F401  (registers the strategy names)
 
     parser = argparse.ArgumentParser(description="Run the cross-strategy resume matrix and write its tables.")
     parser.add_argument("--out", type=Path, help="Markdown file to write (default: print only)")

@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from .._lightning import pl
 
 OptimizerName = Literal["adam", "sgd"]
 

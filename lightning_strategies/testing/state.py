@@ -6,8 +6,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
 from torch import Tensor
+
+from .._lightning import pl
 
 
 class SaveAfterRestore(pl.Callback):

@@ -6,14 +6,20 @@ from pathlib import Path
 
 import pytest
 
-from lightning_strategies.testing.matrix import MatrixStrategy, default_strategies, run_matrix
 from tests.conftest import MATRIX_TABLES
+from tests.flavour import matrix as matrix_module
 from tests.naive_strategies import NaiveShardedStrategy
+
+MatrixStrategy, default_strategies, run_matrix = (
+    matrix_module.MatrixStrategy,
+    matrix_module.default_strategies,
+    matrix_module.run_matrix,
+)
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_every_strategy_resumes_every_strategys_checkpoint(tmp_path: Path, optimizer: str) -> None:
-    matrix = run_matrix(default_strategies(), tmp_path, optimizer=optimizer)  # type: ignore[arg-type]
+    matrix = run_matrix(default_strategies(), tmp_path, optimizer=optimizer)
     MATRIX_TABLES.append(f"{matrix.table()}\n({len(matrix.cells)} cells in {matrix.seconds:.1f} s)")
 
     assert len(matrix.cells) == 25

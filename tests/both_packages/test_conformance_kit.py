@@ -6,14 +6,20 @@ from pathlib import Path
 
 import pytest
 
-from lightning_strategies import ShardedDDPStrategy
-from lightning_strategies.testing import ConformanceError, assert_strategy_conforms, check_strategy
+from tests.flavour import ours, testing
 from tests.naive_strategies import NaiveShardedStrategy
+
+ShardedDDPStrategy = ours.ShardedDDPStrategy
+ConformanceError, assert_strategy_conforms, check_strategy = (
+    testing.ConformanceError,
+    testing.assert_strategy_conforms,
+    testing.check_strategy,
+)
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_ddp_sharded_fork_conforms(tmp_path: Path, optimizer: str) -> None:
-    assert_strategy_conforms(lambda: "ddp_sharded_fork", tmp_path, optimizer=optimizer)  # type: ignore[arg-type]
+    assert_strategy_conforms(lambda: "ddp_sharded_fork", tmp_path, optimizer=optimizer)
 
 
 def test_ddp_sharded_with_gradient_buckets_conforms(tmp_path: Path) -> None:
