@@ -2,7 +2,8 @@
 """The project's two commands, runnable with nothing but Python 3.11:
 
     python3 dev.py demo    # train with ddp_sharded on 2 CPU processes, resume with upstream ddp, print a report
-    python3 dev.py test    # ruff, mypy --strict and the test suite, under pytorch_lightning and under lightning
+    python3 dev.py test    # ruff, mypy --strict, the docs (Sphinx, warnings as errors) and the test suite,
+                           # under pytorch_lightning and again under lightning
 
 ``test`` builds two environments from the pins in ``constraints.txt`` (torch's CPU wheel): ``.venv`` with
 ``pytorch-lightning`` and ``.venv-lightning`` with the unified ``lightning`` package only. The whole suite runs in
@@ -73,7 +74,7 @@ def _ensure(environment: Environment) -> None:
     pip = (environment.python, "-m", "pip", "install", "--quiet", "-c", "constraints.txt")
     _run(environment.python, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
     if environment.lightning_package == "pytorch-lightning":
-        _run(*pip, "-e", ".[pytorch-lightning,plots,test]")
+        _run(*pip, "-e", ".[pytorch-lightning,plots,docs,test]")
     else:
         _run(*pip, "-e", ".[plots,test]")
         _run(*pip, "--no-deps", "lightning")
@@ -98,6 +99,8 @@ def main(argv: list[str]) -> None:
     _run(main_env.bin / "ruff", "check", ".")
     _run(main_env.bin / "ruff", "format", "--check", ".")
     _run(main_env.bin / "mypy", "lightning_strategies")
+    # Warnings are errors: a broken reference or a docstring autodoc cannot read fails the run.
+    _run(main_env.bin / "sphinx-build", "-W", "--keep-going", "-q", "-b", "html", "docs", "docs/_build/html")
     _run(main_env.python, "-m", "pytest", *rest)
     if not rest:
         env = {**os.environ, "LIGHTNING_STRATEGIES_OTHER_PYTHON": str(main_env.python)}

@@ -386,3 +386,15 @@ def test_trainer_save_checkpoint_after_fit_holds_the_trained_weights(tmp_path: P
     saved = torch.load(tmp_path / "after-fit.ckpt", weights_only=True)
     for key, value in model.state_dict().items():
         assert torch.equal(saved["state_dict"][key], value), key
+
+
+def test_trainer_save_checkpoint_after_an_in_process_fit_writes_canonical_optimizer_state(tmp_path: Path) -> None:
+    model = new_model()
+    trainer = fit(FairScaleFSDPStrategy(start_method="popen"), model, devices=1)
+
+    trainer.save_checkpoint(tmp_path / "after-fit.ckpt")  # the optimizer still holds flat shards: gathered by name
+
+    optimizer_state = torch.load(tmp_path / "after-fit.ckpt", weights_only=True)["optimizer_states"][0]
+    assert [len(group["params"]) for group in optimizer_state["param_groups"]] == [2, 2]
+    shapes = [param.shape for param in model.parameters()]
+    assert [optimizer_state["state"][index]["exp_avg"].shape for index in range(4)] == shapes

@@ -54,6 +54,10 @@ FAIRSCALE_SEGMENTS = ("_fsdp_wrapped_module", "_fpw_module")
 FSDP_KWARGS = frozenset(inspect.signature(FSDP.__init__).parameters) - {"self", "module", "compute_device"}
 
 SHARDED_RANK_FILE = "rank{rank}.pt"
+# Key of the layout block in each rank file: which canonical parameters each flat shard holds and how the optimizer's
+# flat state maps onto them, so `lightning-strategies consolidate` rebuilds canonical state without a process group.
+SHARDED_LAYOUT_KEY = "flat_layout"
+SHARDED_LAYOUT_VERSION = 1
 
 
 def _canonical(path: str) -> str:
@@ -363,6 +367,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
     def configure_for_fit(self, trainer: pl.Trainer) -> None:
         module = self.require_lightning_module()
         names_before = _parameter_names(module)
+        self._layouts = {}
         self.setup_optimizers(trainer)  # the user's optimizers, over the parameters as configure_optimizers saw them
         group_of = {
             id(param): (index, group_index)
@@ -453,7 +458,9 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         if in_place and isinstance(self.model, FSDP):
             self._unshard_into_module()  # before the root goes and while the CPU patches are in place
         super().teardown()  # gathers the final weights for the launcher: the patches must still be in place
-        self._units, self._layouts, self._original_children = [], {}, []
+        # The layouts stay until the next setup: after an in-place fit the optimizers still hold flat shards, and
+        # `trainer.save_checkpoint` after `fit` gathers them into canonical state through these layouts.
+        self._units, self._original_children = [], []
         if self._cpu_patched:
             fairscale_cpu.uninstall()
             self._cpu_patched = False
@@ -517,7 +524,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
 
     @override
     def _canonical_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if not isinstance(self.model, FSDP):  # not rebuilt over flat parameters: already canonical
+        if id(optimizer) not in self._layouts:  # not rebuilt over flat parameters (a forked run's main process)
             return super()._canonical_optimizer_state(optimizer)
         layout = self._layout_of(optimizer)
         index = layout.index
@@ -585,9 +592,48 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         directory = Path(filepath)
-        shard = {"state_dict": checkpoint["state_dict"], "optimizer_states": checkpoint.get("optimizer_states", [])}
+        shard = {
+            "state_dict": checkpoint["state_dict"],
+            "optimizer_states": checkpoint.get("optimizer_states", []),
+            SHARDED_LAYOUT_KEY: self._sharded_layout(),
+        }
         rank_file = directory / SHARDED_RANK_FILE.format(rank=self.global_rank)
         self.save_sharded(checkpoint, directory, lambda: self.checkpoint_io.save_checkpoint(shard, rank_file))
+
+    def _sharded_layout(self) -> dict[str, Any]:
+        """What a rank file needs to be turned into canonical state offline (plain values, ``weights_only``-safe).
+
+        ``units``: the flat shards in ``local_state_dict()`` (its key, the canonical names and shapes it holds, the
+        size of its process group); ``optimizers``: for each optimizer, the canonical names of each param group and
+        which unit each index of its flat state is.
+        """
+        key_of = {id(param): _canonical(name) for name, param in self._root().named_parameters()}
+        position = {id(unit.param): index for index, unit in enumerate(self._units)}
+        units = [
+            {
+                "key": key_of[id(unit.param)],
+                "names": list(unit.names),
+                "shapes": [list(shape) for shape in unit.shapes],
+                "world_size": unit.instance.world_size,
+            }
+            for unit in self._units
+        ]
+        optimizers = []
+        for optimizer in self._raw_optimizers():
+            layout = self._layout_of(optimizer)
+            optimizers.append(
+                {
+                    "group_names": [list(names) for names in layout.group_names],
+                    "units": [position[id(unit.param)] for unit in layout.flat_units],
+                }
+            )
+        return {
+            "version": SHARDED_LAYOUT_VERSION,
+            "rank": self.global_rank,
+            "world_size": self.world_size,
+            "units": units,
+            "optimizers": optimizers,
+        }
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -607,6 +653,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         if not rank_path.exists():
             raise CheckpointFormatError(f"{source} lacks {rank_path.name}: the save did not finish on every rank.")
         shard = read_checkpoint(rank_path)
+        shard.pop(SHARDED_LAYOUT_KEY, None)  # for consolidation only; loading goes through this run's own layout
         self._loaded_sharded = True
         return {**meta, **shard}
 
