@@ -7,8 +7,8 @@
 
 ``test`` builds two environments from the pins in ``constraints.txt`` (torch's CPU wheel): ``.venv`` with
 ``pytorch-lightning`` and ``.venv-lightning`` with the unified ``lightning`` package only. The whole suite runs in
-the first; the tests marked ``both_packages`` (conformance kit, cross-strategy resumes, cross-package checkpoints)
-run again in the second. ``demo`` needs only ``.venv``.
+the first; ``tests/both_packages`` (conformance kit, cross-strategy resumes, cross-package checkpoints) runs again
+in the second. ``demo`` needs only ``.venv``.
 Extra arguments go to the demo or to pytest, e.g. ``python3 dev.py test -k sharded``.
 """
 
@@ -101,10 +101,12 @@ def main(argv: list[str]) -> None:
     _run(main_env.bin / "mypy", "lightning_strategies")
     # Warnings are errors: a broken reference or a docstring autodoc cannot read fails the run.
     _run(main_env.bin / "sphinx-build", "-W", "--keep-going", "-q", "-b", "html", "docs", "docs/_build/html")
-    _run(main_env.python, "-m", "pytest", *rest)
+    # Each run names the other environment's Python: the cross-package tests save in one and resume in the other.
+    env = {**os.environ, "LIGHTNING_STRATEGIES_OTHER_PYTHON": str(LIGHTNING_ENV.python)}
+    _run(main_env.python, "-m", "pytest", *rest, env=env)
     if not rest:
         env = {**os.environ, "LIGHTNING_STRATEGIES_OTHER_PYTHON": str(main_env.python)}
-        _run(LIGHTNING_ENV.python, "-m", "pytest", "-m", "both_packages", env=env)
+        _run(LIGHTNING_ENV.python, "-m", "pytest", "tests/both_packages", env=env)
 
 
 if __name__ == "__main__":

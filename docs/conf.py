@@ -9,7 +9,7 @@ import lightning_strategies
 
 project = "lightning_strategies"
 author = "lightning_strategies developers"
-copyright = "2026, lightning_strategies developers"  # noqa: A001  (Sphinx's name)
+copyright = "2026, lightning_strategies developers"
 release = lightning_strategies.__version__
 
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
