@@ -1,0 +1,87 @@
+"""The Lightning side of each comparison: a Trainer configured as a user who benchmarks would configure it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytorch_lightning as pl
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+import lightning_strategies  # noqa: F401  (registers ddp_sharded, fsdp_fairscale, fsdp2)
+
+from .by_hand import Wrapped
+
+
+def trainer(strategy: str, callbacks: list[pl.Callback], **overrides: Any) -> pl.Trainer:
+    """A CPU Trainer over this process group without logging, progress bar, summary, checkpointing or validation.
+
+    The workers are started like ``torchrun`` starts them (``LOCAL_RANK`` etc. set) and already hold the process
+    group, so the strategy launches nothing and joins the existing group.
+    """
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        strategy=strategy,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        **overrides,
+    )
+
+
+def raw_optimizer(optimizer: Any) -> Optimizer:
+    """The torch optimizer behind a ``LightningOptimizer`` (or the optimizer itself)."""
+    inner: Optimizer = getattr(optimizer, "_optimizer", optimizer)
+    return inner
+
+
+def wrapped_by_strategy(strategy_name: str, trainer: pl.Trainer) -> Wrapped:
+    """The wrapper and optimizer a running strategy built, for the hand-written side to use with their own API."""
+    module = trainer.lightning_module
+    wrapper = trainer.strategy.model
+    if wrapper is None:
+        raise RuntimeError("The strategy has no model yet: call this inside fit.")
+    return Wrapped(strategy_name, module, wrapper, raw_optimizer(trainer.strategy.optimizers[0]))
+
+
+class StepTimer(pl.Callback):
+    """Times each training step between ``on_train_batch_start`` and ``on_train_batch_end``."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.durations: list[float] = []
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.durations.append(time.perf_counter() - self.starts[-1])
+
+
+class FirstStepLatency(pl.Callback):
+    """Seconds from ``start`` (taken just before ``fit``) to the first ``on_train_batch_start``; then stops."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.latency: float | None = None
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.latency is None:
+            self.latency = time.perf_counter() - self.start
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        trainer.should_stop = True

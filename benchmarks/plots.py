@@ -1,0 +1,171 @@
+"""PNG plots of a summary (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # after use("Agg"): no display needed
+from matplotlib.axes import Axes
+
+COLORS = {"ours": "#1f77b4", "hand": "#ff7f0e", "upstream": "#7f7f7f", "fresh": "#2ca02c", "resume": "#1f77b4"}
+
+
+def _bars(
+    axes: Axes, groups: Sequence[str], series: dict[str, list[dict[str, float]]], scale: float, unit: str
+) -> None:
+    """Grouped bars of medians with min-max whiskers; ``series`` maps a label to one stats dict per group."""
+    width = 0.8 / max(1, len(series))
+    for index, (label, rows) in enumerate(series.items()):
+        positions = [group + (index - (len(series) - 1) / 2) * width for group in range(len(groups))]
+        medians = [row["median"] * scale for row in rows]
+        lower = [(row["median"] - row["min"]) * scale for row in rows]
+        upper = [(row["max"] - row["median"]) * scale for row in rows]
+        axes.bar(
+            positions, medians, width, label=label, color=COLORS.get(label.split()[0]), yerr=[lower, upper], capsize=3
+        )
+    axes.set_xticks(range(len(groups)), groups)
+    axes.set_ylabel(unit)
+    axes.legend()
+
+
+def plot_overhead(summary: dict[str, Any], path: Path) -> None:
+    variants = summary["variants"]
+    strategies = list(summary["ratios"])
+    figure, axes = plt.subplots(figsize=(7, 4))
+    _bars(
+        axes,
+        [*strategies, "ddp"],
+        {
+            "ours (Trainer)": [variants[f"ours:{s}"]["step_s"] for s in strategies]
+            + [variants["upstream:ddp"]["step_s"]],
+            "hand-written loop": [variants[f"hand:{s}"]["step_s"] for s in strategies]
+            + [{"median": 0.0, "min": 0.0, "max": 0.0}],
+        },
+        1e3,
+        "step time, ms (median, min-max)",
+    )
+    axes.set_title("Step time: Trainer + strategy vs hand-written loop (2 CPU ranks)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_save(summary: dict[str, Any], path: Path) -> None:
+    strategies = list(summary)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    _bars(
+        left,
+        strategies,
+        {
+            "ours (trainer.save_checkpoint)": [summary[s]["ours"]["seconds"] for s in strategies],
+            "hand (wrapper API + torch.save)": [summary[s]["hand"]["seconds"] for s in strategies],
+        },
+        1e3,
+        "save time, ms",
+    )
+    left.set_title("Full checkpoint save")
+    positions = range(len(strategies))
+    right.bar(
+        [p - 0.2 for p in positions],
+        [summary[s]["rss_rank0_per_checkpoint_byte"] for s in strategies],
+        0.4,
+        label="rank 0",
+    )
+    right.bar(
+        [p + 0.2 for p in positions],
+        [summary[s]["rss_other_per_checkpoint_byte"] for s in strategies],
+        0.4,
+        label="rank 1",
+    )
+    right.axhline(1.25, color="#1f77b4", linestyle="--", linewidth=1, label="goal rank 0")
+    right.axhline(0.10, color="#ff7f0e", linestyle="--", linewidth=1, label="goal rank 1")
+    right.set_xticks(list(positions), strategies)
+    right.set_ylabel("peak RSS added / checkpoint bytes")
+    right.set_title("Memory added while saving (ours)")
+    right.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_resume(summary: dict[str, Any], path: Path) -> None:
+    strategies = list(summary)
+    figure, axes = plt.subplots(figsize=(7, 4))
+    _bars(
+        axes,
+        strategies,
+        {
+            "fresh fit": [summary[s]["fresh"] for s in strategies],
+            "resumed fit": [summary[s]["resume"] for s in strategies],
+            "hand load": [summary[s]["hand"] for s in strategies],
+        },
+        1e3,
+        "ms to the first step / to load",
+    )
+    axes.set_title("Resume: fit start to first step, and torch.load + load by hand")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_memory(summary: dict[str, Any], path: Path) -> None:
+    strategies = list(summary)
+    figure, axes = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(strategies)
+    for part in ("params", "grads", "optimizer"):
+        values = [max(rank[part] for rank in summary[s]["per_rank"]) / 1e6 for s in strategies]
+        axes.bar(strategies, values, 0.6, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    axes.set_ylabel("MB per rank (largest rank)")
+    axes.set_title("Parameters + gradients + optimizer state per rank, world size 2")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_scaling(summary: dict[str, Any], path: Path) -> None:
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for operation, ax in zip(("save_s", "load_s"), axes, strict=True):
+        for strategy, row in summary.items():
+            sizes = [point["params"] for point in row["points"]]
+            times = [point[operation]["median"] for point in row["points"]]
+            slope = row[f"{operation}_slope_upper"]
+            ax.loglog(sizes, times, marker="o", label=f"{strategy} (slope {slope:.2f})")
+        if summary:
+            first = next(iter(summary.values()))["points"]
+            sizes = [point["params"] for point in first]
+            anchor = first[-1][operation]["median"]
+            ax.loglog(sizes, [anchor * size / sizes[-1] for size in sizes], "k:", linewidth=1, label="linear")
+        ax.set_xlabel("parameters")
+        ax.set_title("save" if operation == "save_s" else "load (strategy's restore path)")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("seconds (median)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+PLOTS = {
+    "overhead": plot_overhead,
+    "save": plot_save,
+    "resume": plot_resume,
+    "memory": plot_memory,
+    "scaling": plot_scaling,
+}
+
+
+def write_plots(summary: dict[str, Any], directory: Path) -> list[Path]:
+    """One ``<benchmark>.png`` per summarised benchmark in ``directory``."""
+    paths = []
+    for name, plot in PLOTS.items():
+        if name in summary:
+            path = directory / f"{name}.png"
+            plot(summary[name], path)
+            paths.append(path)
+    return paths

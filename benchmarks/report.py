@@ -1,0 +1,307 @@
+"""Turns the ranks' raw measurements into figures, goals and a Markdown table."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .config import Config
+
+
+@dataclass(frozen=True)
+class Goal:
+    """One figure measured against its goal (``informational`` figures have no goal)."""
+
+    benchmark: str
+    strategy: str
+    figure: str
+    value: float
+    goal: float | None  # the figure must be <= goal
+    unit: str = "x"
+
+    @property
+    def met(self) -> bool | None:
+        return None if self.goal is None else self.value <= self.goal
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "met": self.met}
+
+
+def stats(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max (and count) of ``values``."""
+    if not values:
+        return {"median": math.nan, "min": math.nan, "max": math.nan, "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _max_over_ranks(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Element-wise maximum: a distributed operation takes as long as its slowest rank."""
+    return [max(values) for values in zip(*per_rank, strict=True)]
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator > 0 else math.inf
+
+
+def _results(ranks: Sequence[dict[str, Any]], benchmark: str) -> list[Any]:
+    return [rank["results"][benchmark] for rank in ranks]
+
+
+def summarize_overhead(ranks: Sequence[dict[str, Any]], config: Config, goals: list[Goal]) -> dict[str, Any]:
+    per_rank = _results(ranks, "overhead")
+    variants: dict[str, Any] = {}
+    for name in per_rank[0]["runs"]:
+        summary: dict[str, Any] = {}
+        for measure in ("step_s", "period_s"):
+            run_medians = [
+                statistics.median(_max_over_ranks([rank["runs"][name][run][measure] for rank in per_rank]))
+                for run in range(len(per_rank[0]["runs"][name]))
+            ]
+            summary[measure] = {**stats(run_medians), "runs": run_medians}
+        variants[name] = summary
+    ratios: dict[str, Any] = {}
+    for strategy in config.strategies:
+        ours, hand, ddp = variants[f"ours:{strategy}"], variants[f"hand:{strategy}"], variants["upstream:ddp"]
+        paired = [o / h for o, h in zip(ours["step_s"]["runs"], hand["step_s"]["runs"], strict=True)]
+        ratios[strategy] = {
+            "vs_hand": _ratio(ours["step_s"]["median"], hand["step_s"]["median"]),
+            "vs_hand_paired": stats(paired),
+            "loop_vs_hand": _ratio(ours["period_s"]["median"], hand["period_s"]["median"]),
+            "vs_ddp": _ratio(ours["step_s"]["median"], ddp["step_s"]["median"]),
+        }
+        goals.append(Goal("overhead", strategy, "step time, Trainer / hand loop", ratios[strategy]["vs_hand"], 1.05))
+        goals.append(
+            Goal(
+                "overhead", strategy, "step-to-step period, Trainer / hand loop", ratios[strategy]["loop_vs_hand"], None
+            )
+        )
+        goals.append(Goal("overhead", strategy, "step time, ours / upstream ddp", ratios[strategy]["vs_ddp"], None))
+    return {"variants": variants, "ratios": ratios}
+
+
+def summarize_save(ranks: Sequence[dict[str, Any]], config: Config, goals: list[Goal]) -> dict[str, Any]:
+    per_rank = _results(ranks, "save")
+    summary: dict[str, Any] = {}
+    for strategy in config.strategies:
+        rows: dict[str, Any] = {}
+        checkpoint_bytes = per_rank[0][strategy]["checkpoint_bytes"]
+        for side in ("ours", "hand"):
+            samples = [rank[strategy][side] for rank in per_rank]
+            seconds = _max_over_ranks([[sample["seconds"] for sample in rank] for rank in samples])
+            rss = [[sample["rss_added_bytes"] for sample in rank] for rank in samples]
+            rows[side] = {
+                "seconds": stats(seconds),
+                "rss_added_rank0_bytes": stats(rss[0]),
+                "rss_added_other_ranks_bytes": stats([value for rank in rss[1:] for value in rank]),
+                "checkpoint_bytes": checkpoint_bytes[side],
+            }
+        ours = rows["ours"]
+        size = float(checkpoint_bytes["ours"])
+        rows["time_ratio"] = _ratio(ours["seconds"]["median"], rows["hand"]["seconds"]["median"])
+        rows["rss_rank0_per_checkpoint_byte"] = ours["rss_added_rank0_bytes"]["max"] / size
+        rows["rss_other_per_checkpoint_byte"] = ours["rss_added_other_ranks_bytes"]["max"] / size
+        rows["hand_rss_rank0_per_checkpoint_byte"] = rows["hand"]["rss_added_rank0_bytes"]["max"] / size
+        rows["hand_rss_other_per_checkpoint_byte"] = rows["hand"]["rss_added_other_ranks_bytes"]["max"] / size
+        goals.append(Goal("save", strategy, "save time, trainer.save_checkpoint / by hand", rows["time_ratio"], 1.10))
+        goals.append(
+            Goal(
+                "save",
+                strategy,
+                "peak RSS added on rank 0 / checkpoint bytes",
+                rows["rss_rank0_per_checkpoint_byte"],
+                1.25,
+            )
+        )
+        goals.append(
+            Goal(
+                "save",
+                strategy,
+                "peak RSS added on rank 1 / checkpoint bytes",
+                rows["rss_other_per_checkpoint_byte"],
+                0.10,
+            )
+        )
+        summary[strategy] = rows
+    return summary
+
+
+def summarize_resume(ranks: Sequence[dict[str, Any]], config: Config, goals: list[Goal]) -> dict[str, Any]:
+    per_rank = _results(ranks, "resume")
+    summary: dict[str, Any] = {}
+    for strategy in config.strategies:
+        sides = {
+            side: _max_over_ranks([rank[strategy][side] for rank in per_rank]) for side in ("fresh", "resume", "hand")
+        }
+        added = [resumed - fresh for resumed, fresh in zip(sides["resume"], sides["fresh"], strict=True)]
+        rows: dict[str, Any] = {side: stats(values) for side, values in sides.items()}
+        rows["resume_minus_fresh"] = stats(added)
+        rows["ratio"] = _ratio(rows["resume_minus_fresh"]["median"], rows["hand"]["median"])
+        goals.append(Goal("resume", strategy, "(resumed - fresh first-step latency) / hand load", rows["ratio"], 1.2))
+        summary[strategy] = rows
+    return summary
+
+
+MEMORY_GOAL = {"fsdp_fairscale": 0.55, "fsdp2": 0.55}
+
+
+def summarize_memory(ranks: Sequence[dict[str, Any]], config: Config, goals: list[Goal]) -> dict[str, Any]:
+    per_rank = _results(ranks, "memory")
+    summary: dict[str, Any] = {}
+    for strategy in per_rank[0]:
+        totals = [sum(rank[strategy].values()) for rank in per_rank]
+        summary[strategy] = {"per_rank": [rank[strategy] for rank in per_rank], "total_per_rank": totals}
+    ddp = max(summary["ddp"]["total_per_rank"])
+    for strategy in config.strategies:
+        ratio = _ratio(max(summary[strategy]["total_per_rank"]), ddp)
+        summary[strategy]["vs_ddp"] = ratio
+        goals.append(
+            Goal("memory", strategy, "per-rank params+grads+optimizer bytes / ddp", ratio, MEMORY_GOAL.get(strategy))
+        )
+    return summary
+
+
+def loglog_slope(sizes: Sequence[float], seconds: Sequence[float]) -> float:
+    """Least-squares slope of log(seconds) against log(size): 1 is linear, 2 quadratic."""
+    if len(sizes) < 2:
+        return math.nan
+    xs = [math.log(size) for size in sizes]
+    ys = [math.log(max(value, 1e-9)) for value in seconds]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread if spread else math.nan
+
+
+SCALING_SLOPE_GOAL = 1.2  # linear is 1.0; fixed costs pull it below 1, per-tensor quadratic work pushes it towards 2
+
+
+def summarize_scaling(ranks: Sequence[dict[str, Any]], config: Config, goals: list[Goal]) -> dict[str, Any]:
+    per_rank = _results(ranks, "scaling")
+    summary: dict[str, Any] = {}
+    for strategy in config.strategies:
+        points = []
+        for index, point in enumerate(per_rank[0][strategy]):
+            save = _max_over_ranks([rank[strategy][index]["save_s"] for rank in per_rank])
+            load = _max_over_ranks([rank[strategy][index]["load_s"] for rank in per_rank])
+            points.append(
+                {
+                    **{k: point[k] for k in ("params", "tensors", "checkpoint_bytes")},
+                    "save_s": stats(save),
+                    "load_s": stats(load),
+                }
+            )
+        upper = points[-3:] if len(points) >= 3 else points  # the sizes where fixed costs no longer dominate
+        rows: dict[str, Any] = {"points": points}
+        for operation in ("save_s", "load_s"):
+            sizes = [float(point["params"]) for point in points]
+            times = [point[operation]["median"] for point in points]
+            rows[f"{operation}_slope_all"] = loglog_slope(sizes, times)
+            rows[f"{operation}_slope_upper"] = loglog_slope(
+                [float(point["params"]) for point in upper], [point[operation]["median"] for point in upper]
+            )
+            largest = points[-1]
+            rows[f"{operation}_gb_per_s_largest"] = largest["checkpoint_bytes"] / 1e9 / largest[operation]["median"]
+            name = operation.removesuffix("_s")
+            goals.append(
+                Goal(
+                    "scaling",
+                    strategy,
+                    f"{name} time log-log slope (largest sizes)",
+                    rows[f"{operation}_slope_upper"],
+                    SCALING_SLOPE_GOAL,
+                    "",
+                )
+            )
+        summary[strategy] = rows
+    return summary
+
+
+SUMMARIZERS = {
+    "overhead": summarize_overhead,
+    "save": summarize_save,
+    "resume": summarize_resume,
+    "memory": summarize_memory,
+    "scaling": summarize_scaling,
+}
+
+
+def summarize(ranks: Sequence[dict[str, Any]], config: Config) -> tuple[dict[str, Any], list[Goal]]:
+    """Summaries per benchmark and every figure against its goal, in benchmark order."""
+    goals: list[Goal] = []
+    summary = {name: SUMMARIZERS[name](ranks, config, goals) for name in config.benchmarks}
+    return summary, goals
+
+
+def _value(goal: Goal) -> str:
+    return f"{goal.value:.2f}{goal.unit}" if math.isfinite(goal.value) else str(goal.value)
+
+
+def markdown_table(goals: Sequence[Goal]) -> str:
+    """The goals as a Markdown table (informational figures say so)."""
+    lines = ["| benchmark | strategy | figure | value | goal | met |", "|---|---|---|---|---|---|"]
+    for goal in goals:
+        target = "informational" if goal.goal is None else f"≤ {goal.goal:.2f}{goal.unit}"
+        met = "" if goal.met is None else ("yes" if goal.met else "**no**")
+        lines.append(f"| {goal.benchmark} | `{goal.strategy}` | {goal.figure} | {_value(goal)} | {target} | {met} |")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def details_markdown(summary: dict[str, Any]) -> str:
+    """Medians with min-max of the measured times, per benchmark (what the ratios are made of)."""
+    parts: list[str] = []
+
+    def span(row: dict[str, float]) -> str:
+        return f"{_ms(row['median'])} ({_ms(row['min'])}-{_ms(row['max'])})"
+
+    if "overhead" in summary:
+        lines = ["| variant | step ms, median (min-max of run medians) | step-to-step ms |", "|---|---|---|"]
+        for name, row in summary["overhead"]["variants"].items():
+            lines.append(f"| `{name}` | {span(row['step_s'])} | {span(row['period_s'])} |")
+        parts.append("**Step time**\n\n" + "\n".join(lines))
+    if "save" in summary:
+        lines = [
+            "| strategy | ours ms | by hand ms | checkpoint MB | RSS added rank 0 / rank 1 MB (ours) |",
+            "|---|---|---|---|---|",
+        ]
+        for strategy, row in summary["save"].items():
+            ours = row["ours"]
+            lines.append(
+                f"| `{strategy}` | {span(ours['seconds'])} | {span(row['hand']['seconds'])} |"
+                f" {ours['checkpoint_bytes'] / 1e6:.1f} | {ours['rss_added_rank0_bytes']['max'] / 1e6:.1f} /"
+                f" {ours['rss_added_other_ranks_bytes']['max'] / 1e6:.1f} |"
+            )
+        parts.append("**Full checkpoint save**\n\n" + "\n".join(lines))
+    if "resume" in summary:
+        lines = [
+            "| strategy | fresh fit → first step ms | resumed fit → first step ms | load by hand ms |",
+            "|---|---|---|---|",
+        ]
+        for strategy, row in summary["resume"].items():
+            lines.append(f"| `{strategy}` | {span(row['fresh'])} | {span(row['resume'])} | {span(row['hand'])} |")
+        parts.append("**Resume**\n\n" + "\n".join(lines))
+    if "memory" in summary:
+        lines = ["| strategy | rank 0 params / grads / optimizer MB | total MB per rank |", "|---|---|---|"]
+        for strategy, row in summary["memory"].items():
+            first = row["per_rank"][0]
+            totals = " / ".join(f"{total / 1e6:.1f}" for total in row["total_per_rank"])
+            lines.append(
+                f"| `{strategy}` | {first['params'] / 1e6:.1f} / {first['grads'] / 1e6:.1f} /"
+                f" {first['optimizer'] / 1e6:.1f} | {totals} |"
+            )
+        parts.append("**Training state per rank**\n\n" + "\n".join(lines))
+    if "scaling" in summary:
+        lines = ["| strategy | parameters | checkpoint MB | save ms | load ms |", "|---|---|---|---|---|"]
+        for strategy, row in summary["scaling"].items():
+            for point in row["points"]:
+                lines.append(
+                    f"| `{strategy}` | {point['params'] / 1e6:.1f} M | {point['checkpoint_bytes'] / 1e6:.0f} |"
+                    f" {_ms(point['save_s']['median'])} | {_ms(point['load_s']['median'])} |"
+                )
+        parts.append("**Scaling**\n\n" + "\n".join(lines))
+    return "\n\n".join(parts)

@@ -1,0 +1,60 @@
+"""Benchmark 3: fit(ckpt_path=...) start to first step, against a fresh fit and against loading by hand."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from . import by_hand
+from .config import Config
+from .lightning_side import FirstStepLatency, trainer
+from .measure import barrier, release_free_memory, timed
+from .models import dataset, lightning_loader, new_model
+from .save import SAVE_STEPS, checkpoint_paths, save_checkpoints
+
+
+def _first_step_latency(config: Config, strategy: str, checkpoint: Path | None) -> float:
+    data = dataset(config.width, config.batch_size * dist.get_world_size() * SAVE_STEPS)
+    model = new_model(config.width, config.depth, seed=8)  # other weights than saved: a resume must change them
+    release_free_memory()
+    barrier()
+    latency = FirstStepLatency(time.perf_counter())
+    # The checkpoint was saved at the end of epoch 0; a resumed fit trains epoch 1, a fresh one epoch 0.
+    trainer(strategy, [latency], max_epochs=2 if checkpoint else 1).fit(
+        model, train_dataloaders=lightning_loader(data, config.batch_size), ckpt_path=checkpoint
+    )
+    if latency.latency is None:
+        raise RuntimeError(f"{strategy}: the fit ran no training step (checkpoint {checkpoint}).")
+    return latency.latency
+
+
+def _load_by_hand(config: Config, strategy: str, path: Path) -> float:
+    wrapped = by_hand.wrap(strategy, new_model(config.width, config.depth, seed=8))
+    try:
+        release_free_memory()
+        return timed(lambda: by_hand.load(wrapped, path))
+    finally:
+        wrapped.close()
+
+
+def run(config: Config, workdir: Path) -> dict[str, Any]:
+    """Fresh fit, resumed fit and hand load per strategy, ``config.repeats`` times, rotating the order."""
+    results: dict[str, Any] = {}
+    for strategy in config.strategies:
+        ours, hand = checkpoint_paths(workdir, strategy)
+        if not (ours.exists() and hand.exists()):
+            save_checkpoints(config, strategy, workdir, repeats=1)
+        sides = ["fresh", "resume", "hand"]
+        samples: dict[str, list[float]] = {side: [] for side in sides}
+        for repeat in range(config.repeats):
+            shift = repeat % len(sides)
+            for side in sides[shift:] + sides[:shift]:
+                if side == "hand":
+                    samples[side].append(_load_by_hand(config, strategy, hand))
+                else:
+                    samples[side].append(_first_step_latency(config, strategy, ours if side == "resume" else None))
+        results[strategy] = samples
+    return results

@@ -1,0 +1,171 @@
+"""The benchmark command: ``python -m benchmarks [--smoke] [--out DIR] [--docs] [--only a,b] [--strategies x,y]``.
+
+Starts 2 CPU ranks (gloo, one thread each), runs the benchmarks there, and writes into the output directory
+``results.json`` (machine, versions, commit, configuration, summaries, goals and the raw samples), ``results.md`` (the
+goal table and the measured times) and one PNG per benchmark. ``--docs`` also copies the PNGs to
+``docs/_static/benchmarks/`` and puts the tables into ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from .config import BENCHMARKS, STRATEGIES, config_for
+from .launch import ROOT, WORLD_SIZE, run_workers
+from .plots import write_plots
+from .report import details_markdown, markdown_table, summarize
+
+DEFAULT_OUT = ROOT / "benchmarks" / "results"
+DOCS_STATIC = ROOT / "docs" / "_static" / "benchmarks"
+DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
+RESULTS_START, RESULTS_END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 1024**2
+    except OSError:
+        pass
+    return math.nan
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        result = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return result.stdout.strip()
+
+
+def environment() -> dict[str, Any]:
+    """Machine, versions and commit the results belong to."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "machine": {
+            "cpu_model": _cpu_model(),
+            "logical_cores": os.cpu_count(),
+            "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "memory_gb": round(_memory_gb(), 1),
+            "platform": platform.platform(),
+        },
+        "versions": {
+            "python": platform.python_version(),
+            **{
+                name: _version(name)
+                for name in ("torch", "pytorch-lightning", "lightning", "fairscale", "lightning-strategies")
+            },
+        },
+        "git": {"commit": _git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None},
+        "world_size": WORLD_SIZE,
+        "backend": "gloo",
+        "threads_per_rank": 1,
+    }
+
+
+def _header(meta: dict[str, Any]) -> str:
+    machine, versions, git = meta["machine"], meta["versions"], meta["git"]
+    lightning = versions["pytorch-lightning"] or versions["lightning"]
+    commit = (git["commit"] or "unknown")[:10] + (" (with local changes)" if git["dirty"] else "")
+    return (
+        f"Measured {meta['finished']} on {machine['cpu_model']} ({machine['usable_cores']} usable cores,"
+        f" {machine['memory_gb']} GB), {meta['world_size']} ranks x 1 thread, gloo; Python {versions['python']},"
+        f" torch {versions['torch']}, Lightning {lightning}, fairscale {versions['fairscale']}; commit {commit};"
+        f" {'smoke run' if meta['config']['smoke'] else 'full run'} in {meta['duration_s']:.0f} s."
+    )
+
+
+def _update_docs(markdown: str, pngs: list[Path]) -> None:
+    DOCS_STATIC.mkdir(parents=True, exist_ok=True)
+    for png in pngs:
+        shutil.copyfile(png, DOCS_STATIC / png.name)
+    if DOCS_PAGE.exists():
+        page = DOCS_PAGE.read_text()
+        start, end = page.find(RESULTS_START), page.find(RESULTS_END)
+        if 0 <= start < end:
+            page = page[: start + len(RESULTS_START)] + "\n" + markdown + "\n" + page[end:]
+            DOCS_PAGE.write_text(page)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat: checks that everything runs")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    parser.add_argument("--docs", action="store_true", help="copy the plots and tables into docs/")
+    parser.add_argument("--only", default="", help=f"comma-separated benchmarks ({','.join(BENCHMARKS)})")
+    parser.add_argument("--strategies", default="", help=f"comma-separated strategies ({','.join(STRATEGIES)})")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds before the ranks are stopped")
+    args = parser.parse_args(argv)
+    only = tuple(name for name in args.only.split(",") if name)
+    strategies = tuple(name for name in args.strategies.split(",") if name)
+    unknown = sorted(set(only) - set(BENCHMARKS)) + sorted(set(strategies) - set(STRATEGIES))
+    if unknown:
+        parser.error(f"unknown benchmark or strategy name(s): {', '.join(unknown)}")
+    config = config_for(args.smoke, only or None, strategies or None)
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="lightning-strategies-bench-") as workdir:
+        ranks = run_workers(config, Path(workdir), timeout_s=args.timeout)
+    summary, goals = summarize(ranks, config)
+    meta = {
+        **environment(),
+        "config": config.to_json(),
+        "finished": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "duration_s": time.perf_counter() - started,
+        "benchmark_seconds": ranks[0]["seconds"],
+    }
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    document = {
+        "meta": meta,
+        "goals": [goal.to_json() for goal in goals],
+        "summary": summary,
+        "raw": [rank["results"] for rank in ranks],
+    }
+    (out / "results.json").write_text(json.dumps(document, indent=1, allow_nan=True))
+    pngs = write_plots(summary, out)
+    markdown = f"{_header(meta)}\n\n{markdown_table(goals)}\n\n{details_markdown(summary)}\n"
+    (out / "results.md").write_text(markdown)
+    if args.docs:
+        _update_docs(markdown, pngs)
+    print(markdown)
+    missed = [goal for goal in goals if goal.met is False]
+    print(
+        f"{len(goals) - len(missed)} of {len(goals)} figures within their goals (or informational); results in {out}",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()
