@@ -1,0 +1,301 @@
+"""``lightning-strategies consolidate``: one full canonical checkpoint from a sharded checkpoint directory of ours.
+
+Works on the CPU, without a process group, tensor by tensor: the output and the tensor being assembled are all that
+is held in memory (rank files are memory-mapped; ``torch.distributed.checkpoint`` items are read one at a time).
+The result is what the strategy would have written with ``state_dict_type="full"``: canonical model state, torch's
+optimizer layout, the same Lightning entries (loops, schedulers, callbacks) and metadata block, ``"full"``.
+
+- fairscale FSDP (``fsdp_fairscale``): ``rank<r>.pt`` per rank, each with its flat shards and the layout block
+  (``flat_layout``) that names the canonical parameters each flat shard holds.
+- FSDP2 (``fsdp2``): a ``torch.distributed.checkpoint`` directory (``.metadata`` and ``*.distcp``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from lightning_strategies.checkpoint import METADATA_KEY, CheckpointError, CheckpointMetadata, strip_wrapper_segments
+from lightning_strategies.checkpoint.atomic import atomic_torch_save
+from lightning_strategies.checkpoint.flat import split_full
+from lightning_strategies.checkpoint.sharded import read_sharded_meta
+
+from ._common import CommandError, Progress, existing_input, writable_output
+from .inspection import DCP_METADATA_FILE, FAIRSCALE_LAYOUT_KEY, INNER_WRAPPER_SEGMENTS, RANK_FILE
+
+SUPPORTED_LAYOUT_VERSION = 1
+
+
+@dataclass
+class Consolidation:
+    """What ``consolidate`` wrote.
+
+    Attributes:
+        out: The full checkpoint.
+        format: ``"fairscale FSDP local shards"`` or ``"torch.distributed.checkpoint"``.
+        metadata: The metadata block of the output.
+        tensors: Model tensors written.
+        optimizer_tensors: Optimizer-state tensors written.
+    """
+
+    out: Path
+    format: str
+    metadata: dict[str, Any]
+    tensors: int
+    optimizer_tensors: int
+
+
+def _numel(shapes: Sequence[Sequence[int]]) -> int:
+    return sum(math.prod(shape) for shape in shapes)
+
+
+def _cut(pieces: Sequence[Tensor], shapes: Sequence[Sequence[int]], what: str) -> list[Tensor]:
+    """Concatenates the ranks' padded flat chunks, drops the padding and cuts the canonical tensors out."""
+    if any(piece.dim() != 1 or piece.numel() != pieces[0].numel() for piece in pieces):
+        raise CommandError(f"{what}: the ranks' shards are not equal-sized 1-D chunks ({[p.shape for p in pieces]}).")
+    numel = _numel(shapes)
+    if pieces[0].numel() * len(pieces) < numel:
+        raise CommandError(f"{what}: the shards hold fewer elements than the {numel} of the parameters they list.")
+    return split_full(torch.cat(list(pieces))[:numel], [torch.Size(shape) for shape in shapes])
+
+
+# ---------------------------------------------------------------------------------------------- fairscale
+
+
+def _same_layout(layout: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
+    return all(layout.get(key) == other.get(key) for key in ("version", "world_size", "units", "optimizers"))
+
+
+def _fairscale(directory: Path, world_size: int, show_progress: bool) -> tuple[dict[str, Any], list[Any], int]:
+    rank_files = {int(match[1]): path for path in directory.iterdir() if (match := RANK_FILE.match(path.name))}
+    missing = sorted(set(range(world_size)) - set(rank_files))
+    if missing:
+        raise CommandError(
+            f"{directory} lacks {', '.join(f'rank{rank}.pt' for rank in missing)} (written at world size {world_size})."
+        )
+    # Memory-mapped: a shard's bytes are read when its tensors are concatenated, not all up front.
+    shards = [
+        torch.load(rank_files[rank], map_location="cpu", weights_only=True, mmap=True) for rank in range(world_size)
+    ]
+    layouts = [shard.get(FAIRSCALE_LAYOUT_KEY) for shard in shards]
+    if any(layout is None for layout in layouts):
+        raise CommandError(
+            f"{directory}: the rank files hold no {FAIRSCALE_LAYOUT_KEY!r} block (written by an older"
+            " lightning_strategies), so the flat shards cannot be cut into parameters offline. Resume it with"
+            f" fsdp_fairscale at world size {world_size} and save with state_dict_type='full'."
+        )
+    layout = layouts[0]
+    if layout.get("version", 0) > SUPPORTED_LAYOUT_VERSION:
+        raise CommandError(f"{directory}: layout version {layout['version']} is newer than this lightning_strategies.")
+    if not all(_same_layout(layout, other) for other in layouts[1:]):
+        raise CommandError(f"{directory}: the rank files describe different layouts; they come from different saves.")
+    units = layout["units"]
+    for unit in units:
+        if unit["world_size"] != world_size:
+            raise CommandError(
+                f"{directory}: {unit['key']!r} is sharded over {unit['world_size']} of the {world_size} ranks (a"
+                " process group smaller than the world); consolidate supports world-sharded parameters only."
+            )
+    unit_keys = {unit["key"] for unit in units}
+    buffers = [key for key in shards[0]["state_dict"] if key not in unit_keys]
+    optimizer_layouts = layout["optimizers"]
+    rank_optimizer_states = [shard.get("optimizer_states", []) for shard in shards]
+    optimizer_total = sum(
+        len(units[unit_index]["names"]) * len(rank_optimizer_states[0][index]["state"].get(flat_index, {}))
+        for index, optimizer_layout in enumerate(optimizer_layouts)
+        for flat_index, unit_index in enumerate(optimizer_layout["units"])
+    )
+    model_total = sum(len(unit["names"]) for unit in units) + len(buffers)
+    bar = Progress(model_total + optimizer_total, "consolidating", show_progress)
+    try:
+        state: dict[str, Any] = {}
+        for unit in units:
+            pieces = [shard["state_dict"][unit["key"]] for shard in shards]
+            parts = _cut(pieces, unit["shapes"], f"model tensor {unit['key']!r}")
+            state.update(zip(unit["names"], parts, strict=True))
+            bar.advance(len(parts))
+        for key in buffers:
+            value = shards[0]["state_dict"][key]
+            state[strip_wrapper_segments(key, INNER_WRAPPER_SEGMENTS)] = (
+                value.clone() if isinstance(value, Tensor) else value
+            )
+            bar.advance()
+        optimizer_states = []
+        for index, optimizer_layout in enumerate(optimizer_layouts):
+            rank_states = [states[index] for states in rank_optimizer_states]
+            optimizer_states.append(_fairscale_optimizer(rank_states, optimizer_layout, units, index, bar))
+    finally:
+        bar.close()
+    return state, optimizer_states, optimizer_total
+
+
+def _fairscale_optimizer(
+    rank_states: Sequence[Mapping[str, Any]],
+    layout: Mapping[str, Any],
+    units: Sequence[Mapping[str, Any]],
+    optimizer_index: int,
+    bar: Progress,
+) -> dict[str, Any]:
+    """The canonical state of one optimizer from the ranks' flat states (as the strategy's gather builds it)."""
+    group_names: list[list[str]] = layout["group_names"]
+    index = {name: position for position, name in enumerate(name for names in group_names for name in names)}
+    state: dict[int, dict[str, Any]] = {}
+    for flat_index, unit_index in enumerate(layout["units"]):
+        unit = units[unit_index]
+        entries = rank_states[0]["state"].get(flat_index, {})
+        for key, value in entries.items():
+            if isinstance(value, Tensor) and value.dim() > 0:
+                pieces = [rank_state["state"][flat_index][key] for rank_state in rank_states]
+                parts: list[Any] = _cut(pieces, unit["shapes"], f"optimizer {optimizer_index} state {key!r}")
+            else:  # a scalar such as Adam's step: one independent copy per parameter
+                parts = [value.detach().clone() if isinstance(value, Tensor) else value for _ in unit["names"]]
+            for name, part in zip(unit["names"], parts, strict=True):
+                state.setdefault(index[name], {})[key] = part
+            bar.advance(len(parts))
+    groups = [
+        {**{key: value for key, value in group.items() if key != "params"}, "params": [index[n] for n in names]}
+        for group, names in zip(rank_states[0]["param_groups"], group_names, strict=True)
+    ]
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+# ---------------------------------------------------------------------------------------------- DCP
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """Loads into a flat ``{key: tensor or placeholder}`` dict; non-tensor items never run code when unpickled."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        # torch's planner unpickles these with weights_only=False; a checkpoint must never run code here.
+        self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def _load_items(items: dict[str, Any], reader: FileSystemReader) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # no process group: intended
+        dcp_load(items, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=True)
+
+
+def _dcp(directory: Path, show_progress: bool) -> tuple[dict[str, Any], list[Any], int]:
+    reader = FileSystemReader(str(directory))
+    metadata = reader.read_metadata()
+    paths: dict[str, tuple[Any, ...]] = dict(metadata.planner_data or {})
+    items = metadata.state_dict_metadata
+    tensors = [key for key, item in items.items() if isinstance(item, TensorStorageMetadata)]
+    others: dict[str, Any] = {key: None for key, item in items.items() if not isinstance(item, TensorStorageMetadata)}
+    if others:  # hyper-parameters and parameter names: small, read together
+        _load_items(others, reader)
+    values: dict[str, Any] = dict(others)
+    bar = Progress(len(tensors), "consolidating", show_progress)
+    try:
+        for key in tensors:
+            item = items[key]
+            if not isinstance(item, TensorStorageMetadata):  # for the type checker; filtered above
+                continue
+            target = {key: torch.empty(item.size, dtype=item.properties.dtype)}
+            _load_items(target, reader)
+            values[key] = target[key]
+            bar.advance()
+    finally:
+        bar.close()
+    state: dict[str, Any] = {}
+    optimizers: dict[int, dict[str, Any]] = {}
+    for key, value in values.items():
+        path = paths.get(key, tuple(key.split(".", 1)))
+        if path[0] == "model" and len(path) == 2:
+            state[str(path[1])] = value
+        elif path[0] == "optimizers" and len(path) == 5 and path[2] == "state":
+            optimizer = optimizers.setdefault(int(path[1]), {"state": {}, "param_groups": {}})
+            optimizer["state"].setdefault(str(path[3]), {})[str(path[4])] = value
+        elif path[0] == "optimizers" and len(path) == 5 and path[2] == "param_groups":
+            optimizer = optimizers.setdefault(int(path[1]), {"state": {}, "param_groups": {}})
+            optimizer["param_groups"].setdefault(int(path[3]), {})[str(path[4])] = value
+        else:
+            raise CommandError(f"{directory}: unexpected item {key!r} (path {path}); not a checkpoint of fsdp2.")
+    optimizer_states = [_by_index(optimizers[index], directory, index) for index in sorted(optimizers)]
+    optimizer_tensors = sum(
+        isinstance(value, Tensor)
+        for optimizer in optimizer_states
+        for entries in optimizer["state"].values()
+        for value in entries.values()
+    )
+    return state, optimizer_states, optimizer_tensors
+
+
+def _by_index(by_name: Mapping[str, Any], directory: Path, optimizer_index: int) -> dict[str, Any]:
+    """torch keys sharded optimizer state by parameter name; canonical state counts parameters through the groups."""
+    groups = [by_name["param_groups"][position] for position in sorted(by_name["param_groups"])]
+    names = [name for group in groups for name in group.get("params", [])]
+    index = {name: position for position, name in enumerate(names)}
+    unknown = sorted(set(by_name["state"]) - set(index))
+    if unknown:
+        raise CommandError(
+            f"{directory}: optimizer {optimizer_index} has state for {unknown[:3]}, which no param group lists."
+        )
+    state = {index[name]: entries for name, entries in by_name["state"].items()}
+    canonical_groups = [
+        {
+            **{key: value for key, value in group.items() if key != "params"},
+            "params": [index[n] for n in group["params"]],
+        }
+        for group in groups
+    ]
+    return {"state": dict(sorted(state.items())), "param_groups": canonical_groups}
+
+
+# ---------------------------------------------------------------------------------------------- command
+
+
+def consolidate_checkpoint(
+    directory: Path, out: Path, *, force: bool = False, show_progress: bool = True
+) -> Consolidation:
+    """Writes one full canonical checkpoint from a sharded checkpoint directory.
+
+    Args:
+        directory: A sharded checkpoint of ``fsdp_fairscale`` or ``fsdp2`` (a directory with ``meta.pt``).
+        out: The checkpoint file to write (atomically).
+        force: Replace ``out`` if it exists.
+        show_progress: Show a progress bar over tensors on stderr.
+
+    Returns:
+        What was written.
+
+    Raises:
+        UsageError: Bad paths.
+        CommandError: The directory is incomplete or not a sharded checkpoint of ours.
+    """
+    existing_input(directory, directory=True)
+    writable_output(out, directory, force=force)
+    try:
+        meta, metadata, _ = read_sharded_meta(directory)
+    except CheckpointError as error:
+        raise CommandError(str(error)) from error
+    if (directory / DCP_METADATA_FILE).exists():
+        source_format = "torch.distributed.checkpoint"
+        state, optimizer_states, optimizer_tensors = _dcp(directory, show_progress)
+    elif any(RANK_FILE.match(path.name) for path in directory.iterdir()):
+        source_format = "fairscale FSDP local shards"
+        state, optimizer_states, optimizer_tensors = _fairscale(directory, metadata.world_size, show_progress)
+    else:
+        raise CommandError(f"{directory} has meta.pt but no shards (rank<r>.pt files or a {DCP_METADATA_FILE}).")
+    full = CheckpointMetadata(metadata.format_version, metadata.strategy, metadata.world_size, "full").to_dict()
+    checkpoint = {**meta, "state_dict": state, METADATA_KEY: full}
+    if optimizer_states:  # the shards always hold a list; an empty one means the save had no optimizer state
+        checkpoint["optimizer_states"] = optimizer_states
+    atomic_torch_save(checkpoint, out)
+    return Consolidation(out, source_format, full, len(state), optimizer_tensors)

@@ -1,0 +1,669 @@
+"""``lightning-strategies inspect``: what wrote a checkpoint, what it holds, and what is wrong with it.
+
+Findings name what a loader would trip over: keys behind a wrapper prefix (repairable with ``convert``), flat
+parameter shards and empty model states (Lightning issue 13500: not the model's weights, not repairable), optimizer
+states that hold one rank's shard. Nothing here imports Lightning, and files are read with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_strategies.checkpoint import (
+    METADATA_KEY,
+    WRAPPER_PREFIXES,
+    CheckpointError,
+    CheckpointMetadata,
+    check_model_state,
+    check_optimizer_states,
+    param_group_shapes,
+    read_checkpoint,
+    strip_wrapper_segments,
+)
+from lightning_strategies.checkpoint.optimizer_state import PARAM_SHAPED_STATE
+from lightning_strategies.checkpoint.sharded import SHARDED_META_FILE, read_sharded_meta
+
+from ._common import UsageError, human_bytes
+
+Severity = Literal["error", "warning", "info"]
+
+# Wrapper attribute names that never name a user's submodule (they start with "_"): removed wherever they occur.
+# "module." is a common user name, so it is removed only as a prefix that every key carries.
+INNER_WRAPPER_SEGMENTS = tuple(prefix.rstrip(".") for prefix in WRAPPER_PREFIXES if prefix.startswith("_"))
+FLAT_PARAM_KEY = re.compile(r"(^|\.)flat_param(_\d+)?$")
+# What `lightning_strategies.strategies.fairscale_fsdp` names its rank files and their layout block (duplicated
+# here because that module imports Lightning and these commands must not).
+RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
+FAIRSCALE_LAYOUT_KEY = "flat_layout"
+DCP_METADATA_FILE = ".metadata"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing ``inspect`` noticed.
+
+    Attributes:
+        severity: ``"error"`` (the checkpoint will not load as it is), ``"warning"`` or ``"info"``.
+        code: A stable short name, e.g. ``"wrapper-prefix"`` (see docs/cli.md for the list).
+        message: What it is and what to do about it.
+        repairable: Whether ``lightning-strategies convert`` repairs it.
+    """
+
+    severity: Severity
+    code: str
+    message: str
+    repairable: bool = False
+
+
+@dataclass
+class Inspection:
+    """Everything ``inspect`` reports about one checkpoint (``--json`` prints :meth:`to_json`)."""
+
+    path: str
+    kind: str
+    written_by: dict[str, Any] | None = None
+    lightning: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+    optimizers: list[dict[str, Any]] = field(default_factory=list)
+    lr_schedulers: int | None = None
+    sharded: dict[str, Any] | None = None
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[Finding]:
+        """The findings of severity ``"error"``."""
+        return [finding for finding in self.findings if finding.severity == "error"]
+
+    def add(self, severity: Severity, code: str, message: str, repairable: bool = False) -> None:
+        """Records a finding."""
+        self.findings.append(Finding(severity, code, message, repairable))
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain values for ``json.dumps``; ``ok`` is false when there is an error."""
+        data = asdict(self)
+        data["ok"] = not self.errors
+        return data
+
+
+# ---------------------------------------------------------------------------------------------- keys
+
+
+def canonical_key_map(keys: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """Maps each key to the name the unwrapped module would use, and lists the wrapper prefixes that were removed.
+
+    Leading prefixes of :data:`WRAPPER_PREFIXES` are removed while every key carries the same one (``module.`` of
+    DDP, ``_forward_module.`` of Lightning's wrapper, in any nesting); the ``_``-named wrapper segments
+    (``_fsdp_wrapped_module``, ``_fpw_module``, ``_orig_mod``, ``_checkpoint_wrapped_module``) are removed anywhere.
+
+    Args:
+        keys: The keys of a model state.
+
+    Returns:
+        ``{old key: canonical key}`` and the prefixes found, in the order they were removed.
+    """
+    current = {key: key for key in keys}
+    found: list[str] = []
+    stripped = True
+    while current and stripped:
+        stripped = False
+        for prefix in WRAPPER_PREFIXES:
+            if all(name.startswith(prefix) and len(name) > len(prefix) for name in current.values()):
+                current = {key: name.removeprefix(prefix) for key, name in current.items()}
+                found.append(prefix)
+                stripped = True
+    for key, name in current.items():
+        segments = [segment for segment in name.split(".") if segment in INNER_WRAPPER_SEGMENTS]
+        if segments:
+            current[key] = strip_wrapper_segments(name, INNER_WRAPPER_SEGMENTS)
+            found.extend(f"{segment}." for segment in segments if f"{segment}." not in found)
+    return current, found
+
+
+def _listing(names: Sequence[str], limit: int = 3) -> str:
+    shown = ", ".join(repr(name) for name in names[:limit])
+    return f"{shown} and {len(names) - limit} more" if len(names) > limit else shown
+
+
+def _tensor_summary(state: Mapping[str, Any]) -> dict[str, Any]:
+    tensors = [value for value in state.values() if isinstance(value, Tensor)]
+    return {
+        "keys": len(state),
+        "tensors": len(tensors),
+        "elements": sum(tensor.numel() for tensor in tensors),
+        "bytes": sum(tensor.numel() * tensor.element_size() for tensor in tensors),
+        "dtypes": sorted({str(tensor.dtype).removeprefix("torch.") for tensor in tensors}),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- model state
+
+
+def model_state_findings(report: Inspection, state: Any, expected: Mapping[str, Any] | None, source: str) -> None:
+    """Adds the findings about a model state: empty, flat shards, wrapper prefixes, and the fit to ``expected``."""
+    if not isinstance(state, Mapping):
+        report.add("error", "invalid-state-dict", f"'state_dict' should be a dict, found {type(state).__name__}.")
+        return
+    report.model = _tensor_summary(state)
+    if not state:
+        report.add(
+            "error",
+            "empty-state",
+            "The model state is empty: it was read from a wrapper that held no parameters in the process that saved"
+            " (Lightning issue 13500: fairscale FSDP on other ranks than 0, or below the wrapper). These are not the"
+            " model's weights, and nothing can repair them: resume from a checkpoint written by a strategy of this"
+            " package, which saves canonical state.",
+        )
+        return
+    key_map, prefixes = canonical_key_map(list(state))
+    flat = [key for key, name in key_map.items() if FLAT_PARAM_KEY.search(name)]
+    if flat:
+        sizes = ", ".join(
+            f"{key!r} ({tuple(state[key].shape)})" if isinstance(state[key], Tensor) else repr(key) for key in flat[:3]
+        )
+        report.add(
+            "error",
+            "flat-shard",
+            f"{len(flat)} key(s) hold flat parameters ({sizes}): FSDP's flattened, padded parameters, or one rank's"
+            " shard of them (Lightning issue 13500). They are not the model's tensors and do not say how to cut them"
+            " back into its parameters, so this file cannot be repaired. Resume from a checkpoint written by a"
+            " strategy of this package (canonical state), or consolidate a sharded checkpoint of ours.",
+        )
+    elif prefixes:
+        renamed = [key for key, name in key_map.items() if key != name]
+        collisions = len(set(key_map.values())) < len(key_map)
+        example = renamed[0]
+        message = (
+            f"{len(renamed)} of {len(state)} key(s) carry the wrapper prefix(es) {', '.join(map(repr, prefixes))}"
+            f" (e.g. {example!r} for {key_map[example]!r}): the state was read from a wrapper instead of the"
+            " LightningModule, so a strict load reports missing and unexpected keys."
+        )
+        if collisions:
+            report.add(
+                "error",
+                "wrapper-prefix",
+                message + " Removing the prefixes would give two tensors the same name, so convert cannot repair it.",
+            )
+        else:
+            report.add("error", "wrapper-prefix", message + f" Repair: lightning-strategies convert {source} OUT", True)
+    if expected is not None and not flat:
+        # Compared by canonical names: a prefix is already a finding, the question here is whether the tensors fit.
+        canonical = {key_map[key]: value for key, value in state.items()}
+        checked = canonical if len(canonical) == len(state) else state
+        try:
+            check_model_state(expected, checked, source="The checkpoint")
+        except CheckpointError as error:
+            report.add("error", "model-mismatch", str(error) + _flattened_hint(expected, checked))
+
+
+def _flattened_hint(expected: Mapping[str, Any], state: Mapping[str, Any]) -> str:
+    flattened = [
+        key
+        for key, want in expected.items()
+        if isinstance(want, Tensor)
+        and want.dim() > 1
+        and isinstance(state.get(key), Tensor)
+        and state[key].dim() == 1
+        and state[key].numel() <= want.numel()
+    ]
+    if not flattened:
+        return ""
+    return (
+        f"\n  {_listing(flattened)} are 1-D where the model has matrices: flattened (and possibly sharded) parameters,"
+        " not the model's weights."
+    )
+
+
+# ---------------------------------------------------------------------------------------------- optimizer state
+
+
+def _looks_like(entries: set[str]) -> str:
+    if {"exp_avg", "exp_avg_sq"} <= entries:
+        return "Adam-like"
+    if "momentum_buffer" in entries:
+        return "SGD with momentum"
+    if "square_avg" in entries:
+        return "RMSprop/Adadelta-like"
+    if "sum" in entries:
+        return "Adagrad-like"
+    return "no per-parameter state (stateless, or saved before the first step)" if not entries else "unknown"
+
+
+def optimizer_findings(report: Inspection, states: Any, model_state: Mapping[str, Any] | None) -> None:
+    """Adds a summary of each optimizer state and the findings about them (shards, partitions, flat state)."""
+    if states is None:
+        report.add(
+            "warning",
+            "no-optimizer-state",
+            "No 'optimizer_states': the file holds weights only. Trainer.fit(ckpt_path=...) cannot resume from it;"
+            " load the weights (LightningModule.load_from_checkpoint) and start a new optimizer.",
+        )
+        return
+    if not isinstance(states, Sequence):
+        report.add("error", "invalid-optimizer-states", f"'optimizer_states' is a {type(states).__name__}, not a list.")
+        return
+    shapes = {tuple(value.shape) for value in (model_state or {}).values() if isinstance(value, Tensor)}
+    for index, state in enumerate(states):
+        where = f"optimizer {index}"
+        if not isinstance(state, Mapping):
+            report.add("error", "invalid-optimizer-state", f"{where} is a {type(state).__name__}, not a dict.")
+            continue
+        if not state:
+            report.add(
+                "error",
+                "empty-optimizer-state",
+                f"{where} is empty: a sharded optimizer saved only the part kept on another rank (Lightning issue"
+                " 13500). Its state is lost; resume from a checkpoint written by a strategy of this package.",
+            )
+            continue
+        if "partition" in state or "partitions" in state or isinstance(state.get("state"), list):
+            report.add(
+                "error",
+                "optimizer-partition",
+                f"{where} is laid out by rank (fairscale OSS partitions: 'state' per rank or a 'partition' entry),"
+                " not torch's layout over the whole model. Load it with the fairscale version and world size that"
+                " wrote it and save again with a strategy of this package.",
+            )
+            continue
+        if "state" not in state or "param_groups" not in state:
+            report.add(
+                "error", "invalid-optimizer-state", f"{where} lacks 'state' or 'param_groups' (has {sorted(state)})."
+            )
+            continue
+        groups = state["param_groups"]
+        listed = [param for group in groups for param in group.get("params", [])]
+        with_state = list(state["state"])
+        entries = sorted({key for entry in state["state"].values() if isinstance(entry, Mapping) for key in entry})
+        report.optimizers.append(
+            {
+                "index": index,
+                "looks_like": _looks_like(set(entries)),
+                "param_groups": len(groups),
+                "parameters": len(listed),
+                "parameters_with_state": len(with_state),
+                "state_entries": entries,
+                "lrs": [group.get("lr") for group in groups],
+            }
+        )
+        unlisted = [key for key in with_state if key not in set(listed)]
+        if unlisted:
+            report.add(
+                "error",
+                "optimizer-shard",
+                f"{where} has state for parameter index(es) {_listing([str(key) for key in unlisted])} that no param"
+                f" group lists (groups list {len(listed)}): one rank's local state, keyed by that rank's own indices.",
+            )
+        elif 0 < len(with_state) < len(listed):
+            report.add(
+                "warning",
+                "optimizer-partial",
+                f"{where} has state for {len(with_state)} of the {len(listed)} parameters its groups list: either"
+                " some parameters never had a gradient (frozen, unused), or this is one rank's shard of a sharded"
+                " optimizer.",
+            )
+        flattened = sorted(
+            {
+                str(param)
+                for param, entry in state["state"].items()
+                if isinstance(entry, Mapping)
+                for key, value in entry.items()
+                if key in PARAM_SHAPED_STATE
+                and isinstance(value, Tensor)
+                and shapes
+                and tuple(value.shape) not in shapes
+            }
+        )
+        if flattened:
+            report.add(
+                "error",
+                "optimizer-flat",
+                f"{where}: the state of parameter(s) {_listing(flattened)} has shapes that no tensor of the model"
+                " state has: flattened or sharded optimizer state (one rank's flat shard), not torch's layout.",
+            )
+
+
+# ---------------------------------------------------------------------------------------------- --module
+
+
+@contextlib.contextmanager
+def _working_directory_importable() -> Iterator[None]:
+    # `python -m` puts the working directory on sys.path, a console script does not; --module should work in both.
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        yield
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+
+
+def load_model_class(spec: str) -> Module:
+    """Imports ``pkg.module:Class`` and instantiates it with no arguments.
+
+    Raises:
+        UsageError: A malformed spec, an import that fails, no such class, or a constructor that fails.
+    """
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise UsageError(f"--module takes 'package.module:ClassName', got {spec!r}.")
+    with _working_directory_importable():
+        try:
+            target: Any = importlib.import_module(module_name)
+        except ImportError as error:
+            raise UsageError(f"--module: cannot import {module_name!r} ({error}). Is it on PYTHONPATH?") from error
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise UsageError(f"--module: {module_name!r} has no attribute {attribute!r}.")
+        target = getattr(target, part)
+    try:
+        instance = target()
+    except Exception as error:
+        raise UsageError(
+            f"--module: {spec}() failed ({type(error).__name__}: {error}); the class is instantiated with no arguments."
+        ) from error
+    if not isinstance(instance, Module):
+        raise UsageError(f"--module: {spec}() is a {type(instance).__name__}, not a torch.nn.Module.")
+    return instance
+
+
+def _optimizers_of(config: Any) -> list[Optimizer]:
+    """The optimizers in what ``configure_optimizers()`` returned (the usual forms Lightning accepts)."""
+    if isinstance(config, Optimizer):
+        return [config]
+    if isinstance(config, Mapping):
+        return _optimizers_of(config.get("optimizer"))
+    if isinstance(config, list | tuple):
+        if len(config) == 2 and isinstance(config[0], list | tuple):  # ([optimizers], [schedulers])
+            return _optimizers_of(config[0])
+        return [optimizer for item in config for optimizer in _optimizers_of(item)]
+    return []
+
+
+def module_optimizer_findings(report: Inspection, module: Module, states: Any) -> None:
+    """Checks the optimizer states against the optimizers the module's ``configure_optimizers()`` builds."""
+    configure = getattr(module, "configure_optimizers", None)
+    if states is None or not callable(configure):
+        return
+    try:
+        optimizers = _optimizers_of(configure())
+    except Exception as error:  # user code that needs a Trainer: skip this check, say why
+        report.add(
+            "info",
+            "optimizers-not-built",
+            f"configure_optimizers() failed outside a Trainer ({type(error).__name__}: {error}); the optimizer"
+            " states were checked without the model's optimizers.",
+        )
+        return
+    shapes = [param_group_shapes(optimizer) for optimizer in optimizers]
+    try:
+        check_optimizer_states(states, optimizers, shapes, source="The checkpoint")
+    except CheckpointError as error:
+        report.add("error", "optimizer-mismatch", str(error))
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+def _lightning_details(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    details = {
+        "version": checkpoint.get("pytorch-lightning_version"),
+        "epoch": checkpoint.get("epoch"),
+        "global_step": checkpoint.get("global_step"),
+    }
+    hyper = checkpoint.get("hyper_parameters")
+    if isinstance(hyper, Mapping):
+        details["hyper_parameters"] = {str(key): repr(value) for key, value in hyper.items()}
+    return {key: value for key, value in details.items() if value is not None}
+
+
+def _metadata(report: Inspection, checkpoint: Mapping[str, Any], source: str) -> CheckpointMetadata | None:
+    try:
+        metadata = CheckpointMetadata.read(checkpoint, source=source)
+    except CheckpointError as error:
+        report.add("error", "invalid-metadata", str(error))
+        return None
+    report.written_by = metadata.to_dict() if metadata is not None else None
+    return metadata
+
+
+def inspect_file(path: Path, expected: Module | None = None) -> Inspection:
+    """Inspects one checkpoint file: a Lightning checkpoint, a bare ``state_dict``, or a rank file of ours."""
+    checkpoint = read_checkpoint(path)
+    source = str(path)
+    is_state_dict = (
+        "state_dict" not in checkpoint
+        and bool(checkpoint)
+        and all(isinstance(value, Tensor) for value in checkpoint.values())
+    )
+    if is_state_dict:
+        report = Inspection(str(path), "state dict")
+        report.add(
+            "warning",
+            "bare-state-dict",
+            "The file is a bare model state dict (torch.save(model.state_dict())), not a Lightning checkpoint: it"
+            f" loads with LightningModule.load_state_dict; `lightning-strategies convert {source} OUT` wraps it into a"
+            " checkpoint that load_from_checkpoint reads.",
+            True,
+        )
+        model_state_findings(report, checkpoint, expected.state_dict() if expected is not None else None, source)
+        return report
+    kind = "rank file of a sharded checkpoint" if FAIRSCALE_LAYOUT_KEY in checkpoint else "checkpoint"
+    report = Inspection(str(path), kind, lightning=_lightning_details(checkpoint))
+    metadata = _metadata(report, checkpoint, source)
+    if kind != "checkpoint":
+        report.add(
+            "error",
+            "rank-file",
+            f"This is one rank's file of a sharded checkpoint directory ({path.parent}), not a checkpoint: give the"
+            f" directory to `lightning-strategies consolidate {path.parent} OUT`.",
+        )
+    elif metadata is None:
+        report.add(
+            "info",
+            "no-metadata",
+            f"No {METADATA_KEY!r} block: written by upstream Lightning or by hand. It loads like any full checkpoint"
+            " when its keys are canonical; convert adds the block.",
+            True,
+        )
+    elif metadata.state_dict_type != "full":
+        report.add("error", "sharded-metadata", "The metadata says 'sharded', but this is a single file.")
+    lr_schedulers = checkpoint.get("lr_schedulers")
+    report.lr_schedulers = len(lr_schedulers) if isinstance(lr_schedulers, Sequence) else None
+    if "state_dict" not in checkpoint:
+        report.add(
+            "error",
+            "no-state-dict",
+            f"No 'state_dict' (keys: {', '.join(sorted(map(str, checkpoint)))}): there are no weights to load.",
+        )
+        return report
+    state = checkpoint["state_dict"]
+    model_state_findings(report, state, expected.state_dict() if expected is not None else None, source)
+    optimizer_findings(report, checkpoint.get("optimizer_states"), state if isinstance(state, Mapping) else None)
+    if expected is not None and not report.errors:
+        module_optimizer_findings(report, expected, checkpoint.get("optimizer_states"))
+    return report
+
+
+def _meta_tensor(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def inspect_directory(path: Path, expected: Module | None = None) -> Inspection:
+    """Inspects a sharded checkpoint directory through its ``meta.pt`` and the shards' own descriptions."""
+    report = Inspection(str(path), "sharded checkpoint directory")
+    if not (path / SHARDED_META_FILE).exists() and not any(path.iterdir()):
+        report.add("error", "empty-directory", f"{path} is an empty directory, not a checkpoint.")
+        return report
+    try:
+        meta, metadata, _ = read_sharded_meta(path)
+    except CheckpointError as error:
+        report.add("error", "incomplete-sharded", str(error))
+        return report
+    report.written_by = metadata.to_dict()
+    report.lightning = _lightning_details(meta)
+    lr_schedulers = meta.get("lr_schedulers")
+    report.lr_schedulers = len(lr_schedulers) if isinstance(lr_schedulers, Sequence) else None
+    rank_files = sorted((p for p in path.iterdir() if RANK_FILE.match(p.name)), key=lambda p: p.name)
+    canonical: dict[str, Tensor] = {}  # meta tensors: names, shapes and dtypes of the full model
+    if (path / DCP_METADATA_FILE).exists():
+        report.sharded = {"format": "torch.distributed.checkpoint", "files": len(list(path.glob("*.distcp")))}
+        canonical = dcp_model_layout(path)
+        resumes = f"{metadata.strategy!r} at any world size"
+    elif rank_files:
+        report.sharded = {"format": "fairscale FSDP local shards", "files": len(rank_files)}
+        resumes = f"{metadata.strategy!r} at world size {metadata.world_size}"
+        missing = sorted(set(range(metadata.world_size)) - {int(RANK_FILE.match(p.name)[1]) for p in rank_files})  # type: ignore[index]
+        if missing:
+            report.add(
+                "error", "missing-shards", f"Rank file(s) {', '.join(f'rank{r}.pt' for r in missing)} are missing."
+            )
+        shard = torch.load(rank_files[0], map_location="cpu", weights_only=True, mmap=True)
+        layout = shard.get(FAIRSCALE_LAYOUT_KEY)
+        if layout is None:
+            report.add(
+                "warning",
+                "no-layout",
+                "The rank files hold no layout block (written before lightning-strategies 0.1.0 could consolidate):"
+                f" resume with {resumes} and save with state_dict_type='full' to get a full checkpoint.",
+            )
+        else:
+            canonical = fairscale_model_layout(shard["state_dict"], layout)
+    else:
+        report.add("error", "no-shards", f"{path} has {SHARDED_META_FILE} but no shards (rank*.pt or .metadata).")
+        return report
+    if canonical:
+        report.model = _tensor_summary(canonical)
+    report.add(
+        "info",
+        "sharded",
+        f"Sharded checkpoint: resumes with {resumes}. `lightning-strategies consolidate {path} OUT` makes one full"
+        " checkpoint that every strategy resumes.",
+    )
+    if expected is not None and canonical:
+        try:
+            check_model_state(expected.state_dict(), canonical, source="The checkpoint")
+        except CheckpointError as error:
+            report.add("error", "model-mismatch", str(error))
+    return report
+
+
+def fairscale_model_layout(local_state: Mapping[str, Any], layout: Mapping[str, Any]) -> dict[str, Tensor]:
+    """Canonical names, shapes and dtypes (as meta tensors) of a fairscale rank file's full model."""
+    result: dict[str, Tensor] = {}
+    unit_keys = set()
+    for unit in layout["units"]:
+        unit_keys.add(unit["key"])
+        dtype = local_state[unit["key"]].dtype
+        for name, shape in zip(unit["names"], unit["shapes"], strict=True):
+            result[name] = _meta_tensor(shape, dtype)
+    for key, value in local_state.items():
+        if key not in unit_keys and isinstance(value, Tensor):
+            result[strip_wrapper_segments(key, INNER_WRAPPER_SEGMENTS)] = _meta_tensor(value.shape, value.dtype)
+    return result
+
+
+def dcp_model_layout(path: Path) -> dict[str, Tensor]:
+    """Names, global shapes and dtypes (as meta tensors) of the model in a ``torch.distributed.checkpoint`` dir."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {
+        key.removeprefix("model."): _meta_tensor(item.size, item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+    }
+
+
+def inspect_path(path: Path, module_spec: str | None = None) -> Inspection:
+    """Inspects a checkpoint file or a sharded checkpoint directory.
+
+    Args:
+        path: The checkpoint.
+        module_spec: ``"pkg.module:Class"`` to compare keys and shapes against (instantiated with no arguments).
+
+    Returns:
+        The report; its ``errors`` decide the exit code.
+
+    Raises:
+        UsageError: ``path`` does not exist, or ``module_spec`` cannot be loaded.
+    """
+    if not path.exists():
+        raise UsageError(f"{str(path)!r} does not exist.")
+    expected = load_model_class(module_spec) if module_spec else None
+    if path.is_dir():
+        return inspect_directory(path, expected)
+    try:
+        return inspect_file(path, expected)
+    except CheckpointError as error:
+        report = Inspection(str(path), "unreadable")
+        report.add("error", "unreadable", str(error))
+        return report
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def format_report(report: Inspection) -> str:
+    """The human-readable report."""
+    lines = [f"{report.path}  ({report.kind})"]
+
+    def row(name: str, value: str) -> None:
+        lines.append(f"  {name:<16}{value}")
+
+    if report.written_by:
+        block = report.written_by
+        row(
+            "written by",
+            f"{block['strategy']}, world size {block['world_size']}, format version {block['format_version']},"
+            f" {block['state_dict_type']}",
+        )
+    elif report.kind == "checkpoint":
+        row("written by", "unknown (no lightning_strategies block: upstream Lightning or by hand)")
+    if report.sharded:
+        row("shards", f"{report.sharded['format']}, {report.sharded['files']} file(s)")
+    details = report.lightning
+    if details:
+        parts = [f"Lightning {details['version']}" if "version" in details else ""]
+        parts += [f"{name.replace('_', ' ')} {details[name]}" for name in ("epoch", "global_step") if name in details]
+        row("training", ", ".join(part for part in parts if part))
+        if details.get("hyper_parameters"):
+            row("hyper-params", ", ".join(f"{k}={v}" for k, v in details["hyper_parameters"].items()))
+    if report.model:
+        model = report.model
+        row(
+            "model state",
+            f"{model['tensors']} tensors, {model['elements']:,} elements, {human_bytes(model['bytes'])}"
+            f" ({', '.join(model['dtypes']) or 'no tensors'})",
+        )
+    for optimizer in report.optimizers:
+        lrs = ", ".join(f"{lr:g}" if isinstance(lr, float | int) else str(lr) for lr in optimizer["lrs"])
+        row(
+            f"optimizer {optimizer['index']}",
+            f"{optimizer['looks_like']}: {optimizer['param_groups']} param group(s), {optimizer['parameters']}"
+            f" parameters, state for {optimizer['parameters_with_state']}"
+            f" ({', '.join(optimizer['state_entries']) or 'none'}), lr {lrs}",
+        )
+    if report.lr_schedulers is not None:
+        row("lr schedulers", str(report.lr_schedulers))
+    if report.findings:
+        lines.append("findings:")
+        for finding in report.findings:
+            repair = " [convert repairs this]" if finding.repairable and finding.severity != "info" else ""
+            lines.append(f"  {finding.severity:<8}{finding.code}: {finding.message}{repair}")
+    errors = len(report.errors)
+    lines.append(f"{errors} error(s): this checkpoint will not load as it is." if errors else "OK: no errors found.")
+    return "\n".join(lines)
