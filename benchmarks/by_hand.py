@@ -24,6 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.optim import Optimizer
 
 from lightning_strategies import fairscale_cpu
+from lightning_strategies.checkpoint.atomic import atomic_torch_save
 
 from .models import LEARNING_RATE, BenchModel
 
@@ -117,11 +118,18 @@ def full_state(wrapped: Wrapped) -> dict[str, Any] | None:
     return {"state_dict": model_state, "optimizer_states": [optimizer_state]}
 
 
-def save(wrapped: Wrapped, path: Path) -> None:
-    """Gathers the full state with the wrapper's API and ``torch.save``-s it on rank 0 (every rank must call it)."""
+def save(wrapped: Wrapped, path: Path, atomic: bool = False) -> None:
+    """Gathers the full state with the wrapper's API and ``torch.save``-s it on rank 0 (every rank must call it).
+
+    ``atomic=True`` writes the way the strategies' checkpoint IO does (temporary file, fsync, rename), to tell the
+    cost of a durable write from the cost of the strategy.
+    """
     state = full_state(wrapped)
     if state is not None:
-        torch.save(state, path)
+        if atomic:
+            atomic_torch_save(state, path)
+        else:
+            torch.save(state, path)
 
 
 def load(wrapped: Wrapped, path: Path) -> None:

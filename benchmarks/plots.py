@@ -64,6 +64,7 @@ def plot_save(summary: dict[str, Any], path: Path) -> None:
         {
             "ours (trainer.save_checkpoint)": [summary[s]["ours"]["seconds"] for s in strategies],
             "hand (wrapper API + torch.save)": [summary[s]["hand"]["seconds"] for s in strategies],
+            "hand + atomic write (fsync)": [summary[s]["hand_atomic"]["seconds"] for s in strategies],
         },
         1e3,
         "save time, ms",

@@ -88,7 +88,7 @@ def summarize_save(ranks: Sequence[dict[str, Any]], config: Config, goals: list[
     for strategy in config.strategies:
         rows: dict[str, Any] = {}
         checkpoint_bytes = per_rank[0][strategy]["checkpoint_bytes"]
-        for side in ("ours", "hand"):
+        for side in ("ours", "hand", "hand_atomic"):
             samples = [rank[strategy][side] for rank in per_rank]
             seconds = _max_over_ranks([[sample["seconds"] for sample in rank] for rank in samples])
             rss = [[sample["rss_added_bytes"] for sample in rank] for rank in samples]
@@ -101,11 +101,39 @@ def summarize_save(ranks: Sequence[dict[str, Any]], config: Config, goals: list[
         ours = rows["ours"]
         size = float(checkpoint_bytes["ours"])
         rows["time_ratio"] = _ratio(ours["seconds"]["median"], rows["hand"]["seconds"]["median"])
+        rows["time_ratio_vs_atomic"] = _ratio(ours["seconds"]["median"], rows["hand_atomic"]["seconds"]["median"])
         rows["rss_rank0_per_checkpoint_byte"] = ours["rss_added_rank0_bytes"]["max"] / size
         rows["rss_other_per_checkpoint_byte"] = ours["rss_added_other_ranks_bytes"]["max"] / size
         rows["hand_rss_rank0_per_checkpoint_byte"] = rows["hand"]["rss_added_rank0_bytes"]["max"] / size
         rows["hand_rss_other_per_checkpoint_byte"] = rows["hand"]["rss_added_other_ranks_bytes"]["max"] / size
         goals.append(Goal("save", strategy, "save time, trainer.save_checkpoint / by hand", rows["time_ratio"], 1.10))
+        goals.append(
+            Goal(
+                "save",
+                strategy,
+                "save time, ours / by hand written atomically (fsync)",
+                rows["time_ratio_vs_atomic"],
+                None,
+            )
+        )
+        goals.append(
+            Goal(
+                "save",
+                strategy,
+                "by hand: peak RSS added on rank 0 / checkpoint bytes",
+                rows["hand_rss_rank0_per_checkpoint_byte"],
+                None,
+            )
+        )
+        goals.append(
+            Goal(
+                "save",
+                strategy,
+                "by hand: peak RSS added on rank 1 / checkpoint bytes",
+                rows["hand_rss_other_per_checkpoint_byte"],
+                None,
+            )
+        )
         goals.append(
             Goal(
                 "save",
@@ -266,15 +294,21 @@ def details_markdown(summary: dict[str, Any]) -> str:
         parts.append("**Step time**\n\n" + "\n".join(lines))
     if "save" in summary:
         lines = [
-            "| strategy | ours ms | by hand ms | checkpoint MB | RSS added rank 0 / rank 1 MB (ours) |",
-            "|---|---|---|---|---|",
+            "| strategy | ours ms | by hand ms | by hand + fsync ms | checkpoint MB"
+            " | RSS added rank 0 / rank 1 MB, ours | by hand |",
+            "|---|---|---|---|---|---|---|",
         ]
+
+        def rss(row: dict[str, Any]) -> str:
+            rank0, others = row["rss_added_rank0_bytes"]["max"], row["rss_added_other_ranks_bytes"]["max"]
+            return f"{rank0 / 1e6:.1f} / {others / 1e6:.1f}"
+
         for strategy, row in summary["save"].items():
             ours = row["ours"]
             lines.append(
                 f"| `{strategy}` | {span(ours['seconds'])} | {span(row['hand']['seconds'])} |"
-                f" {ours['checkpoint_bytes'] / 1e6:.1f} | {ours['rss_added_rank0_bytes']['max'] / 1e6:.1f} /"
-                f" {ours['rss_added_other_ranks_bytes']['max'] / 1e6:.1f} |"
+                f" {span(row['hand_atomic']['seconds'])} | {ours['checkpoint_bytes'] / 1e6:.1f} | {rss(ours)} |"
+                f" {rss(row['hand'])} |"
             )
         parts.append("**Full checkpoint save**\n\n" + "\n".join(lines))
     if "resume" in summary:

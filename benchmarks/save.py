@@ -15,6 +15,8 @@ from .measure import timed_with_peak
 from .models import dataset, lightning_loader, new_model
 
 SAVE_STEPS = 2  # steps before saving, so the optimizer holds state
+#: The strategy's save; the wrapper's API + torch.save (the goal's baseline); the same written atomically + fsync.
+SIDES = ("ours", "hand", "hand_atomic")
 
 
 def checkpoint_paths(workdir: Path, strategy: str) -> tuple[Path, Path]:
@@ -31,18 +33,21 @@ class _SaveBoth(pl.Callback):
         self.strategy = strategy
         self.paths = paths
         self.repeats = repeats
-        self.results: dict[str, list[dict[str, float]]] = {"ours": [], "hand": []}
+        self.results: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ours, hand = self.paths
+        atomic = hand.with_name(hand.name + ".atomic")
         wrapped = wrapped_by_strategy(self.strategy, trainer)
+        actions = {
+            "ours": lambda: trainer.save_checkpoint(ours),
+            "hand": lambda: by_hand.save(wrapped, hand),
+            "hand_atomic": lambda: by_hand.save(wrapped, atomic, atomic=True),
+        }
         for repeat in range(self.repeats):
-            order = ("ours", "hand") if repeat % 2 == 0 else ("hand", "ours")
-            for side in order:
-                if side == "ours":
-                    seconds, added = timed_with_peak(lambda: trainer.save_checkpoint(ours))
-                else:
-                    seconds, added = timed_with_peak(lambda: by_hand.save(wrapped, hand))
+            shift = repeat % len(SIDES)
+            for side in SIDES[shift:] + SIDES[:shift]:
+                seconds, added = timed_with_peak(actions[side])
                 self.results[side].append({"seconds": seconds, "rss_added_bytes": float(added)})
 
 
@@ -55,6 +60,7 @@ def save_checkpoints(config: Config, strategy: str, workdir: Path, repeats: int)
         new_model(config.width, config.depth), train_dataloaders=lightning_loader(data, config.batch_size)
     )
     sizes = {side: path.stat().st_size for side, path in zip(("ours", "hand"), paths, strict=True)}
+    sizes["hand_atomic"] = sizes["hand"]
     return {**saver.results, "checkpoint_bytes": sizes}
 
 
