@@ -662,8 +662,7 @@ def format_report(report: Inspection) -> str:
     if report.findings:
         lines.append("findings:")
         for finding in report.findings:
-            repair = " [convert repairs this]" if finding.repairable and finding.severity != "info" else ""
-            lines.append(f"  {finding.severity:<8}{finding.code}: {finding.message}{repair}")
+            lines.append(f"  {finding.severity:<8}{finding.code}: {finding.message}")
     errors = len(report.errors)
     lines.append(f"{errors} error(s): this checkpoint will not load as it is." if errors else "OK: no errors found.")
     return "\n".join(lines)
