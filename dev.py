@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The project's two commands, runnable with nothing but Python 3.11:
 
-    python3 dev.py demo    # train with ddp_sharded on 2 CPU processes, resume with upstream ddp, print a report
+    python3 dev.py demo    # fsdp_fairscale on 2 CPU processes -> checkpoint -> ddp_sharded -> upstream ddp -> table
     python3 dev.py test    # ruff, mypy --strict, the docs (Sphinx, warnings as errors) and the test suite,
                            # under pytorch_lightning and again under lightning
 
@@ -93,7 +93,7 @@ def main(argv: list[str]) -> None:
     main_env = PYTORCH_LIGHTNING_ENV
     _ensure(main_env)
     if command == "demo":
-        _run(main_env.python, "-m", "lightning_strategies.demo", *rest)
+        _run(main_env.python, "-m", "lightning_strategies", "demo", *rest)
         return
     _ensure(LIGHTNING_ENV)
     _run(main_env.bin / "ruff", "check", ".")
