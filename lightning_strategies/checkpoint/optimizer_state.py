@@ -134,3 +134,43 @@ def shallow_copy_state(state: Mapping[str, Any]) -> dict[str, Any]:
         "state": {index: dict(param_state) for index, param_state in state["state"].items()},
         "param_groups": [dict(group) for group in state["param_groups"]],
     }
+
+
+def name_keyed_to_canonical(by_name: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """Re-keys an optimizer state keyed by parameter name (torch's full state-dict API) into the canonical layout.
+
+    Args:
+        by_name: ``{"state": {name: {...}}, "param_groups": [{..., "params": [name, ...]}]}``.
+        names: Every parameter's name in param-group order: the canonical index of ``names[i]`` is ``i``.
+
+    Returns:
+        ``{"state": {index: {...}}, "param_groups": [{..., "params": [index, ...]}]}``, state sorted by index.
+    """
+    index = {name: position for position, name in enumerate(names)}
+    state = {index[name]: entries for name, entries in by_name["state"].items()}
+    groups = [
+        {
+            **{key: value for key, value in group.items() if key != "params"},
+            "params": [index[n] for n in group["params"]],
+        }
+        for group in by_name["param_groups"]
+    ]
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def canonical_to_name_keyed(state: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """The inverse of :func:`name_keyed_to_canonical`: integer indices become the parameters' names.
+
+    Args:
+        state: A canonical optimizer state.
+        names: Every parameter's name in param-group order.
+
+    Returns:
+        The same state keyed by parameter name.
+    """
+    return {
+        "state": {names[index]: entries for index, entries in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[index] for index in group["params"]]} for group in state["param_groups"]
+        ],
+    }

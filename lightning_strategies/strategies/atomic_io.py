@@ -20,3 +20,20 @@ class AtomicTorchCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         atomic_torch_save(checkpoint, path)
+
+    @override
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = lambda storage, loc: storage, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Loads with ``weights_only=True`` always: Lightning passes ``None`` (remote paths then unpickle anything).
+
+        Raises:
+            ValueError: ``weights_only=False`` was asked for; nothing in this package loads that way.
+        """
+        if weights_only is False:
+            raise ValueError(
+                f"Refusing to load {str(path)!r} with weights_only=False: unpickling arbitrary objects can run code."
+                " Checkpoints of this package hold only tensors and plain values; load others with torch.load yourself."
+            )
+        loaded: dict[str, Any] = super().load_checkpoint(path, map_location=map_location, weights_only=True)
+        return loaded

@@ -9,6 +9,10 @@ to wrap and how to read/write its sharded state; see ``docs/`` ("Writing your ow
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -65,6 +69,39 @@ from .redirection import ForwardRedirection
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
+#: Environment variable that sets the default ``failure_timeout`` (seconds) of every strategy of this package.
+FAILURE_TIMEOUT_ENV = "LIGHTNING_STRATEGIES_FAILURE_TIMEOUT"
+DEFAULT_FAILURE_TIMEOUT = 10.0
+
+
+class RanksDisagreeError(RuntimeError):
+    """The processes of one run were given different settings (strategy options, checkpoint paths).
+
+    Raised on every rank, before the disagreement could pair up mismatched collectives (a deadlock).
+    """
+
+
+# Attributes that hold run state, not options: they may differ between processes without harm.
+_RUN_STATE = frozenset({"_checkpoint_source", "_failure_timeout", "_failed", "_final_model_state"})
+
+
+def default_failure_timeout() -> float:
+    """``$LIGHTNING_STRATEGIES_FAILURE_TIMEOUT`` in seconds if set, else 10.
+
+    Raises:
+        ValueError: The variable is set but not a positive number.
+    """
+    text = os.environ.get(FAILURE_TIMEOUT_ENV)
+    if text is None:
+        return DEFAULT_FAILURE_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{FAILURE_TIMEOUT_ENV}={text!r} must be a positive number of seconds, e.g. 10.")
+    return value
+
 
 class DirectReferenceStrategy(ParallelStrategy):
     """Multi-process strategy that wraps the LightningModule directly and never unwraps it.
@@ -114,6 +151,8 @@ class DirectReferenceStrategy(ParallelStrategy):
         self._start_method: StartMethod = start_method
         self._checkpoint_source = "the checkpoint"
         self._final_model_state: dict[str, Any] | None = None
+        self._failure_timeout: float | None = None
+        self._failed = False
 
     @property
     @override
@@ -193,6 +232,7 @@ class DirectReferenceStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        self._failed = False
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -203,6 +243,144 @@ class DirectReferenceStrategy(ParallelStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+
+    # ------------------------------------------------------------------ failures: every rank goes down, none waits
+
+    @property
+    def failure_timeout(self) -> float:
+        """Seconds the launching process of a failed run waits for the ranks it started before it kills them.
+
+        Defaults to ``$LIGHTNING_STRATEGIES_FAILURE_TIMEOUT`` or 10. It bounds only the failure path: collectives keep
+        the process-group ``timeout`` (long, so a slow gather of a large checkpoint is not mistaken for a failure).
+        A rank that waits in a collective with this process is only released when this process ends (gloo keeps the
+        connections of a destroyed group open while a wrapper still holds the group), so it is killed then.
+        """
+        return self._failure_timeout if self._failure_timeout is not None else default_failure_timeout()
+
+    @failure_timeout.setter
+    def failure_timeout(self, seconds: float) -> None:
+        if not seconds > 0:
+            raise ValueError(f"failure_timeout must be a positive number of seconds, got {seconds!r}.")
+        self._failure_timeout = seconds
+
+    @property
+    def failed(self) -> bool:
+        """Whether the current run ended with an exception in this process (then teardown runs no collective)."""
+        return self._failed
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Leaves the process group at once and stops the ranks this process started.
+
+        A rank that raised must not enter another collective: its peers may wait in a different one, and gloo pairs
+        them up wrongly or waits for the whole process-group timeout (the fairscale FSDP teardown gathered parameters
+        and hung here). Once this process ends, every peer's pending or next collective fails at once ("Connection
+        closed by peer"), so the peers raise and go down too; the ranks this process started (subprocess launcher)
+        get ``failure_timeout`` seconds to end on their own and are killed after that.
+        """
+        super().on_exception(exception)
+        self._failed = True
+        if _distributed_is_initialized():
+            if torch.distributed.get_backend() == "nccl":
+                # NCCL's graceful shutdown waits for the pending collective, which a dead peer never joins.
+                torch.distributed.distributed_c10d._abort_process_group()
+            else:
+                torch.distributed.destroy_process_group()
+        self._stop_started_ranks()
+
+    def _stop_started_ranks(self) -> None:
+        """Waits up to ``failure_timeout`` for the ranks this process started (subprocess launcher), then kills them."""
+        launcher = self._launcher
+        children: list[subprocess.Popen[Any]] = (
+            list(launcher.procs) if isinstance(launcher, _SubprocessScriptLauncher) else []
+        )
+        deadline = time.monotonic() + self.failure_timeout
+        for local_rank, child in enumerate(children, start=1):
+            try:
+                child.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                print(
+                    f"[{type(self).__name__}] local rank {local_rank} (pid {child.pid}) did not end within"
+                    f" failure_timeout={self.failure_timeout:g} s after this run failed; killing it.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                child.kill()
+                child.wait()
+
+    # ------------------------------------------------------------------ ranks must agree
+
+    def options_fingerprint(self) -> dict[str, Any]:
+        """What every rank's strategy must agree on: its class and the options that are plain values."""
+        options: dict[str, Any] = {"class": f"{type(self).__module__}.{type(self).__qualname__}"}
+        for name, value in sorted(vars(self).items()):
+            if name in _RUN_STATE:
+                continue
+            if isinstance(value, tuple) and all(isinstance(item, type) for item in value):
+                options[name.lstrip("_")] = tuple(item.__qualname__ for item in value)  # e.g. module classes to shard
+            elif value is None or isinstance(value, bool | int | float | str | timedelta):
+                options[name.lstrip("_")] = value
+            elif isinstance(value, Mapping) and all(
+                isinstance(item, bool | int | float | str) for item in value.values()
+            ):
+                options[name.lstrip("_")] = dict(sorted(value.items()))  # e.g. keyword arguments for the wrapper
+        options["precision"] = type(self.precision_plugin).__qualname__
+        return options
+
+    def require_agreement(self, values: Mapping[str, Any], what: str, fix: str) -> None:
+        """Checks that every rank passes the same ``values`` (a collective: every rank must call it).
+
+        Args:
+            values: This rank's values, by name.
+            what: What they are, for the error message.
+            fix: How to make them agree, for the error message.
+
+        Raises:
+            RanksDisagreeError: On every rank, naming each value that differs from rank 0's and the ranks involved.
+        """
+        if not _distributed_is_initialized() or torch.distributed.get_world_size() < 2:
+            return
+        everyone: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, dict(values))
+        reference: dict[str, Any] = everyone[0]
+        differences = [
+            f"{key}: rank 0 has {reference.get(key)!r}, rank {rank} has {theirs.get(key)!r}"
+            for rank, theirs in enumerate(everyone)
+            for key in sorted(set(reference) | set(theirs))
+            if theirs.get(key) != reference.get(key)
+        ]
+        if differences:
+            raise RanksDisagreeError(
+                f"The processes of this run disagree on {what}, so they cannot work together; nothing was done."
+                f"\n  " + "\n  ".join(differences[:10]) + f"\nEvery process must get the same values: {fix}."
+            )
+
+    def _check_resume_path_agreement(self, trainer: pl.Trainer) -> None:
+        """Makes the Trainer check, on every rank, that all ranks resume from the same ``ckpt_path`` (or none)."""
+        connector = getattr(trainer, "_checkpoint_connector", None)
+        resume_start = getattr(connector, "resume_start", None)
+        if connector is None or resume_start is None or "resume_start" in vars(connector):
+            return
+
+        # The Trainer starts every restore (with a path or None) here on all ranks right after setup; a rank that
+        # resumes while another starts afresh would otherwise wait in the load's collectives for ever.
+        def agreeing_resume_start(checkpoint_path: _PATH | None = None, *args: Any, **kwargs: Any) -> Any:
+            del vars(connector)["resume_start"]
+            path = None if checkpoint_path is None else str(checkpoint_path)
+            self.require_agreement(
+                {"ckpt_path": path}, "the checkpoint to resume from", "pass the same ckpt_path to fit() on every rank"
+            )
+            return resume_start(checkpoint_path, *args, **kwargs)
+
+        vars(connector)["resume_start"] = agreeing_resume_start
+
+    def _require_same_save_path(self, filepath: _PATH) -> None:
+        self.require_agreement(
+            {"filepath": str(filepath)},
+            "where to save the checkpoint",
+            "call trainer.save_checkpoint(path) with the same path on every rank (compute it on rank 0 and"
+            " broadcast it with trainer.strategy.broadcast(path))",
         )
 
     def set_world_ranks(self) -> None:
@@ -248,6 +426,12 @@ class DirectReferenceStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         if self.accelerator is None:
             raise RuntimeError(f"{type(self).__name__} has no accelerator; pass it to a Trainer before use.")
+        # Before wrapping: different options (say, another state_dict_type) would make the ranks wrap and shard
+        # differently, and their collectives would never meet.
+        self.require_agreement(
+            self.options_fingerprint(), "the strategy's options", "configure the strategy the same way"
+        )
+        self._check_resume_path_agreement(trainer)
         self.accelerator.setup(trainer)
         module = self.require_lightning_module()
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -326,6 +510,8 @@ class DirectReferenceStrategy(ParallelStrategy):
             # Leave together: a spawned rank that exits while its peer still finishes the gather's last collective
             # closes the peer's gloo connection under it, and the peer aborts (SIGABRT) on its way out.
             self.barrier("final model state gathered")
+        if trainer is not None:  # a run that ended before the Trainer restored anything
+            vars(trainer._checkpoint_connector).pop("resume_start", None)
         if self._precision_plugin is not None:
             vars(self._precision_plugin).pop("clip_grad_by_norm", None)
         if module is not None:
@@ -417,6 +603,7 @@ class DirectReferenceStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        self._require_same_save_path(filepath)  # a rank's different path would be silently ignored
         if self.is_global_zero:
             stamped = {**checkpoint, METADATA_KEY: self.checkpoint_metadata().to_dict()}
             self.checkpoint_io.save_checkpoint(stamped, filepath, storage_options=storage_options)
@@ -432,6 +619,7 @@ class DirectReferenceStrategy(ParallelStrategy):
             directory: The checkpoint directory.
             write_shards: Writes this rank's shards into ``directory`` (a collective for some formats).
         """
+        self._require_same_save_path(directory)  # shards in different directories: none of them complete
         if self.is_global_zero:
             directory.mkdir(parents=True, exist_ok=True)
             (directory / SHARDED_META_FILE).unlink(missing_ok=True)

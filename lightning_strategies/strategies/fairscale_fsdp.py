@@ -455,7 +455,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
     @override
     def teardown(self) -> None:
         in_place = not isinstance(self.launcher, CanonicalStateLauncher)
-        if in_place and isinstance(self.model, FSDP):
+        # After a failure the process group is gone (see on_exception): the module keeps its shards.
+        if in_place and isinstance(self.model, FSDP) and not self.failed:
             self._unshard_into_module()  # before the root goes and while the CPU patches are in place
         super().teardown()  # gathers the final weights for the launcher: the patches must still be in place
         # The layouts stay until the next setup: after an in-place fit the optimizers still hold flat shards, and

@@ -37,6 +37,7 @@ from lightning_strategies.checkpoint import (
     CheckpointMetadata,
     check_model_state,
 )
+from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed, name_keyed_to_canonical
 from lightning_strategies.checkpoint.sharded import read_sharded_meta
 
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, pl
@@ -252,26 +253,12 @@ class FSDP2Strategy(DirectReferenceStrategy):
             return {}
         # torch keys the full state by parameter name; canonical state counts parameters through the groups.
         names = [name for group in self._names(optimizer) for name in group]
-        index = {name: position for position, name in enumerate(names)}
-        state = {index[name]: entries for name, entries in by_name["state"].items()}
-        groups = [
-            {
-                **{key: value for key, value in group.items() if key != "params"},
-                "params": [index[n] for n in group["params"]],
-            }
-            for group in by_name["param_groups"]
-        ]
-        return {"state": dict(sorted(state.items())), "param_groups": groups}
+        return name_keyed_to_canonical(by_name, names)
 
     @override
     def _load_canonical_optimizer_state(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
         names = [name for group in self._names(optimizer) for name in group]
-        by_name: dict[str, Any] = {
-            "state": {names[index]: entries for index, entries in state["state"].items()},
-            "param_groups": [
-                {**group, "params": [names[index] for index in group["params"]]} for group in state["param_groups"]
-            ],
-        }
+        by_name = canonical_to_name_keyed(state, names)
         set_optimizer_state_dict(
             self.require_lightning_module(),
             optimizer,
