@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""The project's two commands, runnable with nothing but Python 3.11:
+"""The project's commands, runnable with nothing but Python 3.11:
 
     python3 dev.py demo    # fsdp_fairscale on 2 CPU processes -> checkpoint -> ddp_sharded -> upstream ddp -> table
+    python3 dev.py bench   # benchmarks against hand-written loops on 2 CPU processes (< 10 min), see docs/benchmarks.md
     python3 dev.py test    # ruff, mypy --strict, the docs (Sphinx, warnings as errors) and the test suite,
                            # under pytorch_lightning and again under lightning
 
@@ -86,7 +87,7 @@ def _ensure(environment: Environment) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if not argv or argv[0] not in ("demo", "test"):
+    if not argv or argv[0] not in ("demo", "bench", "test"):
         print(__doc__)
         sys.exit(2)
     command, rest = argv[0], argv[1:]
@@ -94,6 +95,9 @@ def main(argv: list[str]) -> None:
     _ensure(main_env)
     if command == "demo":
         _run(main_env.python, "-m", "lightning_strategies", "demo", *rest)
+        return
+    if command == "bench":
+        _run(main_env.python, "-m", "benchmarks", *rest)
         return
     _ensure(LIGHTNING_ENV)
     _run(main_env.bin / "ruff", "check", ".")
