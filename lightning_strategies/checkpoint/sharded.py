@@ -8,6 +8,7 @@ any shard.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,13 @@ if TYPE_CHECKING:  # the checkpoint package itself never imports Lightning (both
     from lightning_fabric.plugins import CheckpointIO
 
 SHARDED_META_FILE = "meta.pt"
+# fsdp_fairscale's sharded directories: one file per rank. Each holds a layout block (which canonical parameters each
+# flat shard holds and how the optimizer's flat state maps onto them), so `lightning-strategies consolidate` rebuilds
+# canonical state without a process group.
+SHARDED_RANK_FILE = "rank{rank}.pt"
+SHARDED_RANK_FILE_PATTERN = re.compile(r"^rank(\d+)\.pt$")
+SHARDED_LAYOUT_KEY = "flat_layout"
+SHARDED_LAYOUT_VERSION = 1
 SHARDED_STATE_KEYS = ("state_dict", "optimizer_states")
 
 

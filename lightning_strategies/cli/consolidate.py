@@ -30,10 +30,11 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from lightning_strategies.checkpoint import METADATA_KEY, CheckpointError, CheckpointMetadata, strip_wrapper_segments
 from lightning_strategies.checkpoint.atomic import atomic_torch_save
 from lightning_strategies.checkpoint.flat import split_full
-from lightning_strategies.checkpoint.sharded import read_sharded_meta
+from lightning_strategies.checkpoint.optimizer_state import name_keyed_to_canonical
+from lightning_strategies.checkpoint.sharded import SHARDED_LAYOUT_KEY, SHARDED_RANK_FILE_PATTERN, read_sharded_meta
 
 from ._common import CommandError, Progress, existing_input, writable_output
-from .inspection import DCP_METADATA_FILE, FAIRSCALE_LAYOUT_KEY, INNER_WRAPPER_SEGMENTS, RANK_FILE
+from .inspection import DCP_METADATA_FILE, INNER_WRAPPER_SEGMENTS
 
 SUPPORTED_LAYOUT_VERSION = 1
 
@@ -79,7 +80,9 @@ def _same_layout(layout: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
 
 
 def _fairscale(directory: Path, world_size: int, show_progress: bool) -> tuple[dict[str, Any], list[Any], int]:
-    rank_files = {int(match[1]): path for path in directory.iterdir() if (match := RANK_FILE.match(path.name))}
+    rank_files = {
+        int(match[1]): path for path in directory.iterdir() if (match := SHARDED_RANK_FILE_PATTERN.match(path.name))
+    }
     missing = sorted(set(range(world_size)) - set(rank_files))
     if missing:
         raise CommandError(
@@ -89,10 +92,10 @@ def _fairscale(directory: Path, world_size: int, show_progress: bool) -> tuple[d
     shards = [
         torch.load(rank_files[rank], map_location="cpu", weights_only=True, mmap=True) for rank in range(world_size)
     ]
-    layouts = [shard.get(FAIRSCALE_LAYOUT_KEY) for shard in shards]
+    layouts = [shard.get(SHARDED_LAYOUT_KEY) for shard in shards]
     if any(layout is None for layout in layouts):
         raise CommandError(
-            f"{directory}: the rank files hold no {FAIRSCALE_LAYOUT_KEY!r} block (written by an older"
+            f"{directory}: the rank files hold no {SHARDED_LAYOUT_KEY!r} block (written by an older"
             " lightning_strategies), so the flat shards cannot be cut into parameters offline. Resume it with"
             f" fsdp_fairscale at world size {world_size} and save with state_dict_type='full'."
         )
@@ -241,21 +244,12 @@ def _by_index(by_name: Mapping[str, Any], directory: Path, optimizer_index: int)
     """torch keys sharded optimizer state by parameter name; canonical state counts parameters through the groups."""
     groups = [by_name["param_groups"][position] for position in sorted(by_name["param_groups"])]
     names = [name for group in groups for name in group.get("params", [])]
-    index = {name: position for position, name in enumerate(names)}
-    unknown = sorted(set(by_name["state"]) - set(index))
+    unknown = sorted(set(by_name["state"]) - set(names))
     if unknown:
         raise CommandError(
             f"{directory}: optimizer {optimizer_index} has state for {unknown[:3]}, which no param group lists."
         )
-    state = {index[name]: entries for name, entries in by_name["state"].items()}
-    canonical_groups = [
-        {
-            **{key: value for key, value in group.items() if key != "params"},
-            "params": [index[n] for n in group["params"]],
-        }
-        for group in groups
-    ]
-    return {"state": dict(sorted(state.items())), "param_groups": canonical_groups}
+    return name_keyed_to_canonical({"state": by_name["state"], "param_groups": groups}, names)
 
 
 # ---------------------------------------------------------------------------------------------- command
@@ -288,7 +282,7 @@ def consolidate_checkpoint(
     if (directory / DCP_METADATA_FILE).exists():
         source_format = "torch.distributed.checkpoint"
         state, optimizer_states, optimizer_tensors = _dcp(directory, show_progress)
-    elif any(RANK_FILE.match(path.name) for path in directory.iterdir()):
+    elif any(SHARDED_RANK_FILE_PATTERN.match(path.name) for path in directory.iterdir()):
         source_format = "fairscale FSDP local shards"
         state, optimizer_states, optimizer_tensors = _fairscale(directory, metadata.world_size, show_progress)
     else:

@@ -34,7 +34,12 @@ from lightning_strategies.checkpoint import (
     strip_wrapper_segments,
 )
 from lightning_strategies.checkpoint.optimizer_state import PARAM_SHAPED_STATE
-from lightning_strategies.checkpoint.sharded import SHARDED_META_FILE, read_sharded_meta
+from lightning_strategies.checkpoint.sharded import (
+    SHARDED_LAYOUT_KEY,
+    SHARDED_META_FILE,
+    SHARDED_RANK_FILE_PATTERN,
+    read_sharded_meta,
+)
 
 from ._common import UsageError, human_bytes
 
@@ -44,10 +49,6 @@ Severity = Literal["error", "warning", "info"]
 # "module." is a common user name, so it is removed only as a prefix that every key carries.
 INNER_WRAPPER_SEGMENTS = tuple(prefix.rstrip(".") for prefix in WRAPPER_PREFIXES if prefix.startswith("_"))
 FLAT_PARAM_KEY = re.compile(r"(^|\.)flat_param(_\d+)?$")
-# What `lightning_strategies.strategies.fairscale_fsdp` names its rank files and their layout block (duplicated
-# here because that module imports Lightning and these commands must not).
-RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
-FAIRSCALE_LAYOUT_KEY = "flat_layout"
 DCP_METADATA_FILE = ".metadata"
 
 
@@ -460,7 +461,7 @@ def inspect_file(path: Path, expected: Module | None = None) -> Inspection:
         )
         model_state_findings(report, checkpoint, expected.state_dict() if expected is not None else None, source)
         return report
-    kind = "rank file of a sharded checkpoint" if FAIRSCALE_LAYOUT_KEY in checkpoint else "checkpoint"
+    kind = "rank file of a sharded checkpoint" if SHARDED_LAYOUT_KEY in checkpoint else "checkpoint"
     report = Inspection(str(path), kind, lightning=_lightning_details(checkpoint))
     metadata = _metadata(report, checkpoint, source)
     if kind != "checkpoint":
@@ -516,7 +517,7 @@ def inspect_directory(path: Path, expected: Module | None = None) -> Inspection:
     report.lightning = _lightning_details(meta)
     lr_schedulers = meta.get("lr_schedulers")
     report.lr_schedulers = len(lr_schedulers) if isinstance(lr_schedulers, Sequence) else None
-    rank_files = sorted((p for p in path.iterdir() if RANK_FILE.match(p.name)), key=lambda p: p.name)
+    rank_files = sorted((p for p in path.iterdir() if SHARDED_RANK_FILE_PATTERN.match(p.name)), key=lambda p: p.name)
     canonical: dict[str, Tensor] = {}  # meta tensors: names, shapes and dtypes of the full model
     if (path / DCP_METADATA_FILE).exists():
         report.sharded = {"format": "torch.distributed.checkpoint", "files": len(list(path.glob("*.distcp")))}
@@ -525,13 +526,14 @@ def inspect_directory(path: Path, expected: Module | None = None) -> Inspection:
     elif rank_files:
         report.sharded = {"format": "fairscale FSDP local shards", "files": len(rank_files)}
         resumes = f"{metadata.strategy!r} at world size {metadata.world_size}"
-        missing = sorted(set(range(metadata.world_size)) - {int(RANK_FILE.match(p.name)[1]) for p in rank_files})  # type: ignore[index]
+        ranks = {int(match[1]) for p in rank_files if (match := SHARDED_RANK_FILE_PATTERN.match(p.name))}
+        missing = sorted(set(range(metadata.world_size)) - ranks)
         if missing:
             report.add(
                 "error", "missing-shards", f"Rank file(s) {', '.join(f'rank{r}.pt' for r in missing)} are missing."
             )
         shard = torch.load(rank_files[0], map_location="cpu", weights_only=True, mmap=True)
-        layout = shard.get(FAIRSCALE_LAYOUT_KEY)
+        layout = shard.get(SHARDED_LAYOUT_KEY)
         if layout is None:
             report.add(
                 "warning",

@@ -39,7 +39,12 @@ from lightning_strategies.checkpoint import (
     to_cpu_state,
 )
 from lightning_strategies.checkpoint.flat import gather_full, local_shard, split_full
-from lightning_strategies.checkpoint.sharded import read_sharded_meta
+from lightning_strategies.checkpoint.sharded import (
+    SHARDED_LAYOUT_KEY,
+    SHARDED_LAYOUT_VERSION,
+    SHARDED_RANK_FILE,
+    read_sharded_meta,
+)
 
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl
 from .base import DirectReferenceStrategy, StartMethod
@@ -52,12 +57,6 @@ FSDP = FullyShardedDataParallel
 FAIRSCALE_SEGMENTS = ("_fsdp_wrapped_module", "_fpw_module")
 
 FSDP_KWARGS = frozenset(inspect.signature(FSDP.__init__).parameters) - {"self", "module", "compute_device"}
-
-SHARDED_RANK_FILE = "rank{rank}.pt"
-# Key of the layout block in each rank file: which canonical parameters each flat shard holds and how the optimizer's
-# flat state maps onto them, so `lightning-strategies consolidate` rebuilds canonical state without a process group.
-SHARDED_LAYOUT_KEY = "flat_layout"
-SHARDED_LAYOUT_VERSION = 1
 
 
 def _canonical(path: str) -> str:
