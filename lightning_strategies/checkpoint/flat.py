@@ -21,13 +21,23 @@ def shard_size(numel: int, world_size: int) -> int:
     return -(-numel // world_size)
 
 
-def split_full(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
-    """Cuts an unpadded full flat tensor into independent tensors of the given shapes."""
+def split_full(flat: Tensor, shapes: Sequence[torch.Size], *, copy: bool = True) -> list[Tensor]:
+    """Cuts an unpadded full flat tensor into tensors of the given shapes.
+
+    Args:
+        flat: The full flat tensor.
+        shapes: The shapes, in the order the tensors were flattened.
+        copy: Return independent tensors. ``False`` returns views of ``flat`` (no second full copy in memory; for a
+            ``flat`` nobody else holds, such as the buffer :func:`gather_full` returns).
+
+    Returns:
+        One tensor per shape.
+    """
     numels = [shape.numel() for shape in shapes]
     if flat.numel() != sum(numels):
         raise ValueError(f"flat tensor has {flat.numel()} elements, the shapes {list(shapes)} need {sum(numels)}")
-    parts = torch.split(flat, numels)
-    return [part.view(shape).clone() for part, shape in zip(parts, shapes, strict=True)]
+    parts = [part.view(shape) for part, shape in zip(torch.split(flat, numels), shapes, strict=True)]
+    return [part.clone() for part in parts] if copy else parts
 
 
 def local_shard(tensors: Sequence[Tensor], rank: int, world_size: int) -> Tensor:
@@ -52,8 +62,10 @@ def gather_full(shard: Tensor, numel: int, group: Any = None) -> Tensor | None:
     world_size = dist.get_world_size(group)
     destination = dist.get_global_rank(group, 0) if group is not None else 0
     is_destination = dist.get_rank() == destination
-    chunks = [torch.empty_like(shard) for _ in range(world_size)] if is_destination else None
-    dist.gather(shard.contiguous(), chunks, dst=destination, group=group)
-    if chunks is None:
+    if not is_destination:
+        dist.gather(shard.contiguous(), None, dst=destination, group=group)
         return None
-    return torch.cat(chunks)[:numel]
+    # The chunks are views of one buffer: the full tensor exists once, not once as chunks and again concatenated.
+    full = torch.empty(world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
+    dist.gather(shard.contiguous(), list(full.chunk(world_size)), dst=destination, group=group)
+    return full[:numel]

@@ -533,7 +533,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             for key, value in optimizer.state.get(unit.param, {}).items():
                 if isinstance(value, Tensor) and value.dim() > 0:
                     full = gather_full(value, unit.numel, unit.instance.process_group)
-                    parts = split_full(full.cpu(), unit.shapes) if full is not None else []
+                    # Views of the gathered buffer: the canonical state adds no second full copy.
+                    parts = split_full(full.cpu(), unit.shapes, copy=False) if full is not None else []
                 else:  # a scalar such as Adam's step: one independent copy per parameter (steps count in place)
                     parts = [value.detach().cpu().clone() if isinstance(value, Tensor) else value for _ in unit.names]
                 for name, part in zip(unit.names, parts, strict=False):
