@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("checkpoint", type=Path, metavar="CKPT", help="checkpoint file or sharded directory")
     inspect.add_argument(
         "--module",
+        dest="model_class",  # not `args.module`: that reads like unwrapping a wrapper (tests/test_no_unwrapping.py)
         metavar="PKG.MOD:CLASS",
         help="also compare keys and shapes with this model class (instantiated with no arguments)",
     )
@@ -118,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("checkpoint", type=Path, metavar="CKPT", help="checkpoint file to repair")
     convert.add_argument("out", type=Path, metavar="OUT", help="file to write")
     convert.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    convert.add_argument("--module", metavar="PKG.MOD:CLASS", help="also require the result to fit this model class")
+    convert.add_argument(
+        "--module", dest="model_class", metavar="PKG.MOD:CLASS", help="also require the result to fit this model class"
+    )
     convert.set_defaults(handler=_convert)
 
     consolidate = commands.add_parser(
@@ -140,13 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    report = inspect_path(args.checkpoint, args.module)
+    report = inspect_path(args.checkpoint, args.model_class)
     print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
     return EXIT_FAILED if report.errors else EXIT_OK
 
 
 def _convert(args: argparse.Namespace) -> int:
-    result = convert_checkpoint(args.checkpoint, args.out, force=args.force, module_spec=args.module)
+    result = convert_checkpoint(args.checkpoint, args.out, force=args.force, module_spec=args.model_class)
     print(f"Wrote {result.out}")
     for repair in result.repairs or ["nothing needed repair: OUT is a copy of CKPT"]:
         print(f"  - {repair}")
