@@ -27,7 +27,10 @@ def test_smoke_run_writes_every_benchmark_with_numbers_and_plots(tmp_path: Path)
     assert results["meta"]["versions"]["torch"] and results["meta"]["machine"]["cpu_model"]
     figures = {(goal["benchmark"], goal["strategy"]) for goal in results["goals"]}
     assert figures == {(benchmark, strategy) for benchmark in BENCHMARKS for strategy in STRATEGIES}
-    assert all(math.isfinite(goal["value"]) and goal["value"] > 0 for goal in results["goals"])
+    # At the smoke size a ratio may be 0 (no memory measurably added) or negative (a resume difference within the
+    # noise); it must still be a number.
+    not_numbers = [goal for goal in results["goals"] if not math.isfinite(goal["value"])]
+    assert not not_numbers, not_numbers
     for benchmark in BENCHMARKS:
         assert (out / f"{benchmark}.png").stat().st_size > 0, benchmark
     assert "| benchmark |" in (out / "results.md").read_text()
