@@ -49,3 +49,32 @@ def test_example_runs(tmp_path: Path, name: str, code: str) -> None:
         check=False,
     )
     assert completed.returncode == 0, f"{name} failed:\n{completed.stdout[-2000:]}\n{completed.stderr[-4000:]}"
+
+
+CONSOLE_BLOCK = re.compile(r"^```console\n(.*?)^```", re.DOTALL | re.MULTILINE)
+
+
+def _documented_command_lines() -> list[str]:
+    return [
+        line.removeprefix("$ ").strip()
+        for page in PAGES
+        for block in CONSOLE_BLOCK.findall(page.read_text())
+        for line in block.splitlines()
+        if line.startswith("$ lightning-strategies ")
+    ]
+
+
+def test_the_cli_page_documents_every_command() -> None:
+    commands = {line.split()[1] for line in _documented_command_lines()}
+    assert commands == {"demo", "inspect", "convert", "consolidate"}
+
+
+@pytest.mark.parametrize("line", _documented_command_lines())
+def test_each_documented_command_line_matches_the_commands_help(line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_strategies.cli import main
+
+    command = line.split()[1]
+    assert main([command, "--help"]) == 0
+    usage = capsys.readouterr().out
+    for option in re.findall(r"--[a-z-]+", line):
+        assert option in usage, f"{line!r}: {option} is not an option of `{command}`"
