@@ -25,6 +25,7 @@ __all__ = [
     "FSDP2Strategy",
     "FairScaleFSDPStrategy",
     "ForwardRedirection",
+    "RanksDisagreeError",
     "ShardedDDPStrategy",
     "__version__",
 ]
@@ -40,6 +41,7 @@ if find_spec(_FLAVOUR.pytorch.split(".")[0]) is not None and find_spec(_FLAVOUR.
         FSDP2Strategy,
         ShardedDDPStrategy,
     )
+    from .strategies.base import RanksDisagreeError
 
     for _strategy in (ShardedDDPStrategy, FairScaleFSDPStrategy, FSDP2Strategy):
         _strategy.register_strategies(StrategyRegistry)
