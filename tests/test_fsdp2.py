@@ -207,3 +207,20 @@ def test_a_sharded_checkpoint_saved_by_one_process_resumes_on_two(tmp_path: Path
     restored = torch.load(full, weights_only=True)
     assert sorted(restored["optimizer_states"][0]["state"]) == [0, 1, 2, 3]
     assert list(restored["state_dict"]) == list(ConformanceModel().state_dict())
+
+
+class _StepBypassingTheModule(ConformanceModel):
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        return torch.nn.functional.mse_loss(self.head(torch.tanh(self.encoder(inputs))), targets)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"shard_module_classes": {torch.nn.Linear}}], ids=["root-only", "submodules-sharded"]
+)
+def test_a_step_that_never_calls_the_module_fails_with_the_fix(options: dict[str, Any]) -> None:
+    # Steps are called directly (the step's own `self(...)` runs FSDP's hooks once); a step that bypasses the module
+    # must say so, not fail inside a DTensor operator or leave FSDP without its root.
+    strategy = FSDP2Strategy(start_method="fork", **options)
+    with pytest.raises(Exception, match=r"training_step did not call the LightningModule.*Call `self\(\.\.\.\)`"):
+        fit(strategy, new_model(cls=_StepBypassingTheModule), max_epochs=1)

@@ -122,9 +122,6 @@ class DirectReferenceStrategy(ParallelStrategy):
 
     #: Registry name, also written into each checkpoint's metadata block.
     strategy_name: ClassVar[str] = "direct_reference"
-    #: Whether steps go through the module's own ``__call__`` when there is no wrapper object (FSDP2 keeps its
-    #: sharding hooks on the module itself, so calling ``training_step`` directly would skip them).
-    steps_through_module_call: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -529,7 +526,7 @@ class DirectReferenceStrategy(ParallelStrategy):
     def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         module = self.require_lightning_module()
         wrapper = self.model
-        if wrapper is None or (wrapper is module and not self.steps_through_module_call):
+        if wrapper is None or wrapper is module:
             return getattr(module, method_name)(*args, **kwargs)
         # After validation Lightning restores train mode on the LightningModule's submodules only; the wrapper
         # around it would stay in eval mode, and ShardedDataParallel, for one, then silently stops reducing

@@ -56,8 +56,9 @@ class FSDP2Strategy(DirectReferenceStrategy):
     ``fully_shard`` is applied to the LightningModule in place: first to submodules chosen by class
     (``shard_module_classes``) or size (``min_num_params``), bottom-up, then to the module itself. Modules the user
     sharded in ``configure_model`` (use ``strategy.device_mesh``) are kept. There is no wrapper object, so
-    ``strategy.model is strategy.lightning_module``; steps still go through the module's ``__call__`` so the root's
-    FSDP hooks run. Optimizers are created after sharding, over the DTensor parameters.
+    ``strategy.model is strategy.lightning_module``, and steps are called directly: the step's own ``self(...)``
+    runs the root's FSDP hooks once, as in a hand-written loop. Optimizers are created after sharding, over the
+    DTensor parameters.
 
     Args:
         accelerator: The accelerator (set by the Trainer when omitted).
@@ -71,6 +72,8 @@ class FSDP2Strategy(DirectReferenceStrategy):
         shard_module_classes: Submodule classes that get their own ``fully_shard`` (e.g. transformer blocks).
         min_num_params: Also shard submodules holding at least this many parameters not yet sharded below them.
         reshard_after_forward: Free gathered parameters after forward (ZeRO-3) or keep them until backward.
+            ``None`` (default) is torch's own choice: ``True`` for submodules, ``False`` for the root, whose
+            parameters backward needs first (forcing ``True`` on the root all-gathers them twice per step).
         mixed_precision: ``MixedPrecisionPolicy`` (``param_dtype=torch.bfloat16`` runs on CPU).
         cpu_offload: Keep sharded parameters, gradients and optimizer state in host memory (pinned only on CUDA).
         activation_checkpointing: Submodule classes whose activations are recomputed in backward.
@@ -82,7 +85,6 @@ class FSDP2Strategy(DirectReferenceStrategy):
     """
 
     strategy_name = "fsdp2"
-    steps_through_module_call = True
 
     def __init__(
         self,
@@ -96,7 +98,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         start_method: StartMethod = "popen",
         shard_module_classes: Iterable[type[Module]] = (),
         min_num_params: int | None = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         mixed_precision: MixedPrecisionPolicy | None = None,
         cpu_offload: bool = False,
         activation_checkpointing: Iterable[type[Module]] = (),
@@ -132,6 +134,35 @@ class FSDP2Strategy(DirectReferenceStrategy):
         if self._device_mesh is None:
             self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,))
         return self._device_mesh
+
+    @override
+    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        # Steps are called directly and their own `self(...)` runs FSDP's hooks once. (Calling them through the
+        # module's `__call__` instead re-enters the hooks when the step calls `self(...)`: the nested post-forward
+        # leaves the root's parameters resharded, one more all-gather per step.) FSDP2 needs the root's forward to
+        # run in every step, so a step that never calls the module is refused.
+        module = self.require_lightning_module()
+        called: list[bool] = []
+        handle = module.register_forward_pre_hook(lambda *_: called.append(True))
+        try:
+            output = super()._step(method_name, *args, **kwargs)
+        except RuntimeError as error:
+            if "mixed torch.Tensor and DTensor" not in str(error):
+                raise
+            raise RuntimeError(self._step_bypassed_the_module(method_name)) from error
+        finally:
+            handle.remove()
+        if not called:
+            raise RuntimeError(self._step_bypassed_the_module(method_name))
+        return output
+
+    def _step_bypassed_the_module(self, method_name: str) -> str:
+        return (
+            f"{type(self).__name__}: {method_name} did not call the LightningModule (`self(...)`), so FSDP's hooks on"
+            " it never ran: its parameters stay sharded and the submodules' sharding has no root. Call `self(...)`"
+            f" in {method_name} (the module's forward, which may call any submodule) instead of calling submodules"
+            " or `self.forward` directly."
+        )
 
     def _shard_kwargs(self) -> dict[str, Any]:
         offload: OffloadPolicy = (
