@@ -69,3 +69,43 @@ def gather_full(shard: Tensor, numel: int, group: Any = None) -> Tensor | None:
     full = torch.empty(world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
     dist.gather(shard.contiguous(), list(full.chunk(world_size)), dst=destination, group=group)
     return full[:numel]
+
+
+def gather_to_rank0(value: Tensor) -> Tensor | None:
+    """The full value of a tensor on global rank 0 (on the CPU), ``None`` on the other ranks.
+
+    A DTensor sharded on dim 0 of a one-dimensional mesh (FSDP2's layout) is gathered to rank 0 only, one padded
+    chunk per rank, so no other rank ever holds the full tensor. Other DTensor layouts fall back to
+    ``full_tensor()`` (every rank gathers). A plain tensor is the same on every rank: rank 0 returns a copy.
+
+    Args:
+        value: A plain tensor or a DTensor. Every rank must call this for every DTensor, in the same order.
+
+    Returns:
+        The full tensor on rank 0, ``None`` elsewhere.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if not isinstance(value, DTensor):
+        return value.detach().cpu().clone() if is_rank0 else None
+    mesh = value.device_mesh
+    if mesh.ndim != 1 or tuple(value.placements) != (Shard(0),) or value.ndim == 0:
+        full = value.full_tensor()
+        return full.cpu() if is_rank0 else None
+    group = mesh.get_group()
+    world_size = mesh.size()
+    local = value.to_local()
+    rows = -(-value.shape[0] // world_size)  # torch.chunk's chunk size: the first ranks hold `rows` rows each
+    if local.shape[0] == rows:
+        padded = local.contiguous()
+    else:
+        padded = local.new_zeros((rows, *value.shape[1:]))
+        padded[: local.shape[0]].copy_(local)
+    destination = dist.get_global_rank(group, 0)
+    if dist.get_rank() != destination:
+        dist.gather(padded, None, dst=destination, group=group)
+        return None
+    full = torch.empty((rows * world_size, *value.shape[1:]), dtype=local.dtype, device=local.device)
+    dist.gather(padded, list(full.chunk(world_size)), dst=destination, group=group)
+    return full[: value.shape[0]].cpu()

@@ -37,7 +37,8 @@ from lightning_strategies.checkpoint import (
     CheckpointMetadata,
     check_model_state,
 )
-from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed, name_keyed_to_canonical
+from lightning_strategies.checkpoint.flat import gather_to_rank0
+from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed
 from lightning_strategies.checkpoint.sharded import read_sharded_meta
 
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, pl
@@ -238,9 +239,14 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     @override
     def _canonical_model_state(self) -> dict[str, Any]:
-        # cpu_offload with a full state dict: rank 0 gets the whole tensors, the other ranks nothing.
-        state: dict[str, Any] = get_model_state_dict(self.require_lightning_module(), options=_FULL)
-        return state if self.is_global_zero else {}
+        # The module's own state_dict holds DTensor shards under canonical keys (fully_shard adds no prefix); each is
+        # gathered to rank 0 only, one tensor at a time (torch's full state-dict API all-gathers on every rank).
+        state: dict[str, Any] = {}
+        for key, value in self.require_lightning_module().state_dict().items():
+            full = gather_to_rank0(value) if isinstance(value, Tensor) else value
+            if self.is_global_zero:
+                state[key] = full
+        return state
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -277,14 +283,19 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     @override
     def _canonical_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        by_name: dict[str, Any] = dict(
-            get_optimizer_state_dict(self.require_lightning_module(), optimizer, options=_FULL)
-        )
+        # The optimizer's own state_dict is already in the canonical layout (parameters numbered through the groups,
+        # hyperparameters as given); only its DTensor entries are shards, gathered to rank 0 one at a time.
+        own = optimizer.state_dict()
+        state: dict[int, dict[str, Any]] = {}
+        for index, entries in own["state"].items():
+            gathered = {
+                key: gather_to_rank0(value) if isinstance(value, Tensor) else value for key, value in entries.items()
+            }
+            if self.is_global_zero:
+                state[index] = gathered
         if not self.is_global_zero:
             return {}
-        # torch keys the full state by parameter name; canonical state counts parameters through the groups.
-        names = [name for group in self._names(optimizer) for name in group]
-        return name_keyed_to_canonical(by_name, names)
+        return {"state": state, "param_groups": own["param_groups"]}
 
     @override
     def _load_canonical_optimizer_state(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
