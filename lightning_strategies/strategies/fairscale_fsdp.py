@@ -300,6 +300,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._layouts: dict[int, _Layout] = {}
         self._loaded_sharded = False
         self._original_children: list[tuple[Module, str, Module]] = []
+        self._state_key_order: list[str] = []
 
     @classmethod
     @override
@@ -348,6 +349,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         ]
         kwargs = self._wrapper_kwargs()
         user_wrapped = any(isinstance(child, FSDP) for child in module.modules())
+        # The order of the plain module's state_dict, for the canonical state gathered unit by unit (references only).
+        self._state_key_order = [] if user_wrapped else list(module.state_dict(keep_vars=True))
         if not user_wrapped and self._auto_wrap_min_params is not None:
             policy = functools.partial(default_auto_wrap_policy, min_num_params=self._auto_wrap_min_params)
             with enable_wrap(wrapper_cls=FSDP, **kwargs):
@@ -485,8 +488,29 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
     def _canonical_model_state(self) -> dict[str, Any]:
         if not isinstance(self.model, FSDP):  # before setup or after teardown the module holds its full weights
             return super()._canonical_model_state()
-        state = self._root().state_dict()  # gathered through the root wrapper: canonical keys, full tensors
-        return to_cpu_state(state) if self.is_global_zero else {}
+        root = self._root()
+        extra_state = any(type(module).get_extra_state is not Module.get_extra_state for module in root.modules())
+        sub_groups = any(unit.instance.world_size != self.world_size for unit in self._units)
+        if extra_state or sub_groups:
+            # Extra state is only known to the modules' own state_dict, and a shard of a smaller group may not reach
+            # global rank 0: both are gathered through the root wrapper.
+            return to_cpu_state(root.state_dict()) if self.is_global_zero else {}
+        # Each flat shard is gathered to rank 0 only and cut into the parameters it holds (fairscale's state_dict
+        # would gather every full parameter on every rank); buffers are whole on every rank.
+        state: dict[str, Any] = {}
+        for unit in self._units:
+            full = gather_full(unit.param.data, unit.numel, unit.instance.process_group)
+            if full is not None:
+                state.update(zip(unit.names, split_full(full.cpu(), unit.shapes, copy=False), strict=True))
+        if not self.is_global_zero:
+            return {}
+        for path, submodule in root.named_modules():
+            for name, buffer in submodule._buffers.items():
+                if buffer is not None and name not in submodule._non_persistent_buffers_set:
+                    state[_canonical(_join(path, name))] = buffer.detach().cpu().clone()
+        if set(self._state_key_order) == set(state):
+            state = {key: state[key] for key in self._state_key_order}
+        return state
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch.distributed
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 from .._lightning import TrainerFn, _MultiProcessingLauncher, _WorkerOutput, pl
@@ -64,6 +65,11 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
     def _wrapping_function(self, process_idx: int, *args: Any) -> None:
         try:
             super()._wrapping_function(process_idx, *args)
+            # The worker is done (its results are queued, every rank passed teardown's barrier). Leaving the process
+            # group to the interpreter's exit let a spawned worker abort now and then ("terminate called without an
+            # active exception", SIGABRT) while its gloo threads were torn down.
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
         except BaseException:
             if self._errors_dir is not None:
                 record = {"time": time.time(), "pid": os.getpid(), "traceback": traceback.format_exc()}
