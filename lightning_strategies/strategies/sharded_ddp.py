@@ -6,11 +6,12 @@ import inspect
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
+from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -62,6 +63,13 @@ def _keep_gradient_views(optimizer: OSS) -> None:
         type(optimizer).zero_grad(optimizer, set_to_none=False)
 
     vars(optimizer)["zero_grad"] = zero_grad_in_place
+
+
+class _TensorDescription(NamedTuple):
+    """What rank 0 needs to receive one optimizer-state tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 class ShardedDDPStrategy(DirectReferenceStrategy):
@@ -169,13 +177,51 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
     def _canonical_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not isinstance(optimizer, OSS):
             return super()._canonical_optimizer_state(optimizer)
-        # Only rank 0 receives the shards (no N-fold copies); OSS re-keys them into the canonical layout.
-        optimizer.consolidate_state_dict(recipient_rank=0)
+        # Each rank owns the whole state of some parameters. The owners send it to rank 0 one tensor at a time
+        # (OSS's own consolidation broadcasts every rank's pickled shard to every rank: N-fold copies), keyed by the
+        # parameter's index over all groups, which is the canonical layout.
+        index_of: dict[int, int] = optimizer._param_to_index
+        owned = {index_of[id(param)]: entries for param, entries in optimizer.optim.state.items()}
+        described = {
+            index: {
+                key: _TensorDescription(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else v
+                for key, v in entries.items()
+            }
+            for index, entries in sorted(owned.items())
+        }
+        descriptions: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
+        torch.distributed.gather_object(described, descriptions, dst=0)
+        state: dict[int, dict[str, Any]] = {}
+        # Rank 0 walks every rank's entries in order; each other rank walks its own, in the same order, and sends.
+        sources = enumerate(descriptions) if descriptions is not None else [(self.global_rank, described)]
+        for rank, ranks_entries in sources:
+            for index, entries in ranks_entries.items():
+                for key, description in entries.items():
+                    value = self._send_to_rank_zero(owned, index, key, description, rank)
+                    if self.is_global_zero:
+                        state.setdefault(index, {})[key] = value
         if not self.is_global_zero:
             return {}
-        state: dict[str, Any] = optimizer.state_dict()
-        optimizer._all_states = []  # OSS would keep the consolidated copies alive until the next save
-        return state
+        groups = torch.optim.Optimizer.state_dict(optimizer)["param_groups"]  # torch's packing, numbering and all
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def _send_to_rank_zero(
+        self, owned: Mapping[int, Mapping[str, Any]], index: int, key: str, description: Any, owner: int
+    ) -> Any:
+        """One entry of the optimizer state, from the rank that owns it to rank 0 (which returns it)."""
+        if not isinstance(description, _TensorDescription):
+            return description  # not a tensor: the value itself travelled in the description
+        if owner == self.global_rank:
+            tensor: Tensor = owned[index][key].detach()
+            if self.is_global_zero:
+                return tensor.cpu().clone()
+            torch.distributed.send(tensor.contiguous(), dst=0)
+            return None
+        if not self.is_global_zero:
+            return None
+        received = torch.empty(description.shape, dtype=description.dtype, device=self.root_device)
+        torch.distributed.recv(received, src=owner)
+        return received.cpu()
 
     @override
     def _load_canonical_optimizer_state(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
