@@ -9,6 +9,7 @@ to wrap and how to read/write its sharded state; see ``docs/`` ("Writing your ow
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -72,6 +73,28 @@ StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 #: Environment variable that sets the default ``failure_timeout`` (seconds) of every strategy of this package.
 FAILURE_TIMEOUT_ENV = "LIGHTNING_STRATEGIES_FAILURE_TIMEOUT"
 DEFAULT_FAILURE_TIMEOUT = 10.0
+
+
+_leaving_at_exit = False
+
+
+def _leave_the_process_group_at_exit() -> None:
+    """Destroys the default process group when the interpreter exits, before C++ statics are torn down.
+
+    A process that ends with its gloo process group alive (a spawned worker, or the user's script after ``fit``)
+    aborted now and then at exit ("terminate called without an active exception", SIGABRT): the group's threads
+    were still joinable when their objects were destroyed. Leaving the group from ``atexit`` joins them in order.
+    """
+    global _leaving_at_exit
+    if _leaving_at_exit:
+        return
+    _leaving_at_exit = True
+
+    def leave() -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    atexit.register(leave)
 
 
 class RanksDisagreeError(RuntimeError):
@@ -241,6 +264,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        _leave_the_process_group_at_exit()
 
     # ------------------------------------------------------------------ failures: every rank goes down, none waits
 
