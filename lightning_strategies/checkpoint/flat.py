@@ -8,6 +8,7 @@ rank ever holds a full tensor.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,11 +42,23 @@ def split_full(flat: Tensor, shapes: Sequence[torch.Size], *, copy: bool = True)
 
 
 def local_shard(tensors: Sequence[Tensor], rank: int, world_size: int) -> Tensor:
-    """Rank ``rank``'s padded chunk of the tensors flattened one after another."""
-    flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
-    size = shard_size(flat.numel(), world_size)
-    padded = torch.nn.functional.pad(flat, (0, size * world_size - flat.numel()))
-    return padded[rank * size : (rank + 1) * size].clone()
+    """Rank ``rank``'s padded chunk of the tensors flattened one after another.
+
+    Only the chunk is built: each tensor's overlap with it is copied in (concatenating and padding the whole flat
+    tensor on every rank cost two full copies per tensor loaded, which dominated loading large models).
+    """
+    numel = sum(tensor.numel() for tensor in tensors)
+    size = shard_size(numel, world_size)
+    start, end = rank * size, (rank + 1) * size
+    dtype = functools.reduce(torch.promote_types, (tensor.dtype for tensor in tensors))
+    chunk = torch.zeros(size, dtype=dtype, device=tensors[0].device)
+    offset = 0
+    for tensor in tensors:
+        low, high = max(start, offset), min(end, offset + tensor.numel())
+        if low < high:
+            chunk[low - start : high - start] = tensor.reshape(-1)[low - offset : high - offset]
+        offset += tensor.numel()
+    return chunk
 
 
 def gather_full(shard: Tensor, numel: int, group: Any = None) -> Tensor | None:
