@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -65,6 +65,14 @@ def _canonical(path: str) -> str:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+def _persistent_buffers(root: FSDP) -> Iterator[tuple[str, Tensor]]:
+    """The buffers a plain module's ``state_dict`` holds, under canonical keys (buffers are never sharded)."""
+    for path, submodule in root.named_modules():
+        for name, buffer in submodule._buffers.items():
+            if buffer is not None and name not in submodule._non_persistent_buffers_set:
+                yield _canonical(_join(path, name)), buffer
 
 
 def _fsdp_instances(module: Module) -> list[tuple[str, FSDP]]:
@@ -476,12 +484,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         for unit in self._units:
             for name, shape in zip(unit.names, unit.shapes, strict=True):
                 expected[name] = torch.empty(shape, dtype=unit.param.dtype, device="meta")
-        for path, submodule in self._root().named_modules():
-            for name, buffer in submodule._buffers.items():
-                if buffer is not None and name not in submodule._non_persistent_buffers_set:
-                    expected[_canonical(_join(path, name))] = torch.empty(
-                        buffer.shape, dtype=buffer.dtype, device="meta"
-                    )
+        for key, buffer in _persistent_buffers(self._root()):
+            expected[key] = torch.empty(buffer.shape, dtype=buffer.dtype, device="meta")
         return expected
 
     @override
@@ -504,10 +508,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
                 state.update(zip(unit.names, split_full(full.cpu(), unit.shapes, copy=False), strict=True))
         if not self.is_global_zero:
             return {}
-        for path, submodule in root.named_modules():
-            for name, buffer in submodule._buffers.items():
-                if buffer is not None and name not in submodule._non_persistent_buffers_set:
-                    state[_canonical(_join(path, name))] = buffer.detach().cpu().clone()
+        for key, buffer in _persistent_buffers(root):
+            state[key] = buffer.detach().cpu().clone()
         if set(self._state_key_order) == set(state):
             state = {key: state[key] for key in self._state_key_order}
         return state

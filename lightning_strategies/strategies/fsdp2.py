@@ -44,8 +44,6 @@ from lightning_strategies.checkpoint.sharded import read_sharded_meta
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, pl
 from .base import DirectReferenceStrategy, StartMethod
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
 
 def _is_sharded(module: Module) -> bool:
     return isinstance(module, FSDPModule)
