@@ -37,7 +37,7 @@ def _groups() -> list[dict[str, Any]]:
 
 def test_an_optimizer_becomes_oss_of_its_type_with_its_groups_and_defaults(single_process_group: None) -> None:
     plain = torch.optim.Adam(_groups(), lr=0.1, betas=(0.8, 0.9))
-    sharded = _to_oss(plain, 0)
+    sharded = _to_oss(plain)
 
     assert isinstance(sharded, OSS)
     assert isinstance(sharded.optim, torch.optim.Adam)
@@ -48,7 +48,7 @@ def test_an_optimizer_becomes_oss_of_its_type_with_its_groups_and_defaults(singl
 
 def test_the_original_param_group_dicts_are_not_shared(single_process_group: None) -> None:
     plain = torch.optim.SGD(_groups(), lr=0.1)
-    sharded = _to_oss(plain, 0)
+    sharded = _to_oss(plain)
 
     sharded.param_groups[0]["lr"] = 9.0
     assert plain.param_groups[0]["lr"] == 0.5
@@ -56,21 +56,34 @@ def test_the_original_param_group_dicts_are_not_shared(single_process_group: Non
 
 def test_an_oss_optimizer_is_kept_as_it_is(single_process_group: None) -> None:
     already = OSS(_groups(), optim=torch.optim.SGD, lr=0.1)
-    assert _to_oss(already, 0) is already
+    assert _to_oss(already) is already
 
 
-def test_an_optimizer_with_state_is_refused_naming_it(single_process_group: None) -> None:
+def test_the_shard_optimizer_is_a_twin_of_the_users_not_a_new_construction(single_process_group: None) -> None:
+    # torch 2.13's AdamW keeps `decoupled_weight_decay` in its defaults but does not take it as an argument.
+    plain = torch.optim.AdamW(_groups(), lr=0.1, weight_decay=0.05)
+    sharded = _to_oss(plain)
+
+    assert type(sharded.optim) is torch.optim.AdamW
+    assert sharded.optim.defaults == plain.defaults
+    assert [group["weight_decay"] for group in sharded.param_groups] == [0.05, 0.05]
+
+
+def test_a_users_optimizer_with_its_own_constructor_arguments_is_sharded(single_process_group: None) -> None:
+    sharded = _to_oss(ScaledSGD(_groups()))
+
+    assert type(sharded.optim) is ScaledSGD
+    assert sharded.optim.defaults["scale"] == 2.0
+
+
+def test_the_twin_does_not_step_the_original_optimizer(single_process_group: None) -> None:
     groups = _groups()
-    plain = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    plain = torch.optim.SGD(groups, lr=0.1)
+    torch.optim.lr_scheduler.StepLR(plain, step_size=1)  # wraps plain.step on the instance
+    sharded = _to_oss(plain)
     for group in groups:
         for param in group["params"]:
             param.grad = torch.ones_like(param)
-    plain.step()
 
-    with pytest.raises(ValueError, match=r"Optimizer 3 \(SGD\) already holds state"):
-        _to_oss(plain, 3)
-
-
-def test_an_optimizer_that_cannot_be_rebuilt_from_its_defaults_names_the_fix(single_process_group: None) -> None:
-    with pytest.raises(TypeError, match=r"Optimizer 0 \(ScaledSGD\) cannot be sharded.*Build `fairscale.optim.OSS`"):
-        _to_oss(ScaledSGD(_groups()), 0)
+    sharded.step()
+    assert not getattr(plain, "_opt_called", False)

@@ -49,7 +49,7 @@ from lightning_strategies.checkpoint.sharded import (
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl
 from .base import DirectReferenceStrategy, StartMethod
 from .launcher import CanonicalStateLauncher
-from .optimizers import rebuild_optimizer, retarget_schedulers
+from .optimizers import retarget_schedulers, twin_optimizer
 
 FSDP = FullyShardedDataParallel
 
@@ -394,9 +394,11 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
                 {**{key: value for key, value in group.items() if key != "params"}, "params": [u.param for u in units]}
                 for group, units in zip(optimizer.param_groups, layout.group_units, strict=True)
             ]
-            rebuilt = rebuild_optimizer(optimizer, groups, index)
+            rebuilt = twin_optimizer(optimizer, groups)
             retarget_schedulers(self.lr_scheduler_configs, optimizer, rebuilt)
             self._layouts[id(rebuilt)] = layout
+            if optimizer.state:  # created at construction (Adagrad's sums) or loaded by the user
+                self._load_canonical_optimizer_state(rebuilt, optimizer.state_dict())
             optimizers.append(rebuilt)
         self.optimizers = optimizers
         self.model = root

@@ -1,48 +1,56 @@
 """Re-creating the optimizers that ``configure_optimizers()`` returned, for wrappers that need other ones.
 
-Sharded DDP needs OSS optimizers, FSDP needs optimizers over the parameters the wrapper created. Both keep the user's
-optimizer type, param groups, hyper-parameters and defaults, and point the LR schedulers at the new optimizer.
+Sharded DDP needs OSS optimizers, FSDP needs optimizers over the parameters the wrapper created. Neither calls the
+optimizer's constructor again: ``type(optimizer)(params, **optimizer.defaults)`` fails for classes whose ``defaults``
+hold keys their constructor does not take (torch 2.13's ``AdamW``, many users' own optimizers), and loses whatever
+the constructor did besides storing hyper-parameters (``Adagrad``'s initial sums). A *twin* is made instead: the same
+object's attributes over other parameters. State the optimizer already held goes to the twin in canonical form,
+through the strategy's own loader.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch.optim import Optimizer
 
 from .._lightning import LRSchedulerConfig
 
+# Instance attributes that belong to one optimizer object and must not travel to its twin: an LR scheduler wraps the
+# optimizer's ``step`` on the instance (the wrapper calls the original object), and marks it once stepped.
+_OBJECT_BOUND = ("step", "_opt_called")
 
-def rebuild_optimizer(optimizer: Optimizer, param_groups: list[dict[str, Any]], index: int) -> Optimizer:
-    """Creates ``type(optimizer)(param_groups, **optimizer.defaults)``.
+
+def twin_optimizer(optimizer: Optimizer, param_groups: Iterable[dict[str, Any]]) -> Optimizer:
+    """An optimizer of the same class and attributes as ``optimizer``, over ``param_groups`` and without state.
+
+    The constructor is not called again, so a user's subclass with constructor arguments of its own is twinned as
+    it is, and the twin's hyper-parameters are exactly the original's. Hooks registered on the original are copied.
 
     Args:
-        optimizer: The optimizer ``configure_optimizers()`` returned (it must not hold state yet).
-        param_groups: The new groups: hyper-parameters and ``"params"``.
-        index: Position of the optimizer, for error messages.
+        optimizer: The optimizer ``configure_optimizers()`` returned.
+        param_groups: The new groups: hyper-parameters and ``"params"``; missing hyper-parameters come from
+            ``optimizer.defaults``.
 
     Returns:
-        The new optimizer.
-
-    Raises:
-        ValueError: The optimizer already holds state, which would be lost.
-        TypeError: The optimizer's class cannot be constructed from its own ``defaults``.
+        The twin. Its ``state`` is empty: load the original's (``optimizer.state_dict()``) where it had any.
     """
-    kind = type(optimizer).__name__
-    if optimizer.state:
-        raise ValueError(
-            f"Optimizer {index} ({kind}) already holds state before training started; the strategy has to re-create"
-            " it over the parameters that train and would lose that state. Create it without state in"
-            " configure_optimizers()."
-        )
-    try:
-        return type(optimizer)(param_groups, **optimizer.defaults)
-    except TypeError as error:
-        raise TypeError(
-            f"Optimizer {index} ({kind}) cannot be re-created as {kind}(param_groups, **defaults) ({error}). Give it a"
-            " constructor that accepts its own defaults."
-        ) from error
+    twin = copy.copy(optimizer)
+    attributes = vars(twin)
+    for name in _OBJECT_BOUND:
+        attributes.pop(name, None)
+    for name, value in vars(optimizer).items():
+        if name.startswith("_optimizer_") and isinstance(value, OrderedDict):  # step/state-dict hooks
+            attributes[name] = OrderedDict(value)
+    attributes["defaults"] = dict(optimizer.defaults)
+    attributes["state"] = defaultdict(dict)
+    attributes["param_groups"] = []
+    for group in param_groups:
+        twin.add_param_group(dict(group))
+    return twin
 
 
 def retarget_schedulers(configs: Sequence[LRSchedulerConfig], old: Optimizer, new: Optimizer) -> None:

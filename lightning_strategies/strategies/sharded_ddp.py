@@ -20,7 +20,7 @@ from lightning_strategies.checkpoint import shallow_copy_state
 
 from .._lightning import CheckpointIO, ClusterEnvironment, Precision, pl
 from .base import DirectReferenceStrategy, StartMethod
-from .optimizers import retarget_schedulers
+from .optimizers import retarget_schedulers, twin_optimizer
 
 # Keyword arguments ShardedDataParallel accepts besides the module and the optimizers it builds from.
 SHARDED_DDP_KWARGS = frozenset(inspect.signature(ShardedDataParallel.__init__).parameters) - {
@@ -30,25 +30,20 @@ SHARDED_DDP_KWARGS = frozenset(inspect.signature(ShardedDataParallel.__init__).p
 }
 
 
-def _to_oss(optimizer: Optimizer, index: int) -> OSS:
-    """Re-creates a plain optimizer as an OSS of the same type, with the same param groups and defaults."""
+def _to_oss(optimizer: Optimizer) -> OSS:
+    """Re-creates a plain optimizer as an OSS whose shard optimizer is a twin of it (same class and attributes).
+
+    State the optimizer held already (``Adagrad``'s initial sums) is not carried here: the strategy loads it after
+    the OSS exists, in canonical form, like a checkpoint's.
+    """
     if isinstance(optimizer, OSS):
         return optimizer
-    if optimizer.state:
-        raise ValueError(
-            f"Optimizer {index} ({type(optimizer).__name__}) already holds state before training started; it cannot"
-            " be re-created as a sharded fairscale OSS optimizer without losing it. Create it without state in"
-            " configure_optimizers(), or build `fairscale.optim.OSS` yourself there."
-        )
     groups = [dict(group) for group in optimizer.param_groups]  # copies: OSS adopts and edits the dicts it gets
-    try:
-        return OSS(params=groups, optim=type(optimizer), **optimizer.defaults)
-    except TypeError as error:
-        raise TypeError(
-            f"Optimizer {index} ({type(optimizer).__name__}) cannot be sharded: OSS re-creates it as"
-            f" {type(optimizer).__name__}(params, **defaults) and that failed ({error}). Build `fairscale.optim.OSS`"
-            " yourself in configure_optimizers()."
-        ) from error
+
+    def shard_optimizer(params: Any, **_defaults: Any) -> Optimizer:
+        return twin_optimizer(optimizer, params)
+
+    return OSS(params=groups, optim=shard_optimizer, **optimizer.defaults)  # type: ignore[arg-type]
 
 
 def _keep_gradient_views(optimizer: OSS) -> None:
@@ -141,9 +136,11 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
         # The module keeps whole parameters under ShardedDataParallel, so configure_optimizers() sees the
         # parameters that train; only the optimizer objects are swapped for sharded ones.
         self.setup_optimizers(trainer)
-        sharded = [_to_oss(optimizer, index) for index, optimizer in enumerate(self.optimizers)]
+        sharded = [_to_oss(optimizer) for optimizer in self.optimizers]
         for old, new in zip(self.optimizers, sharded, strict=True):
             retarget_schedulers(self.lr_scheduler_configs, old, new)
+            if old is not new and old.state:  # created at construction (Adagrad's sums) or loaded by the user
+                self._load_canonical_optimizer_state(new, old.state_dict())
         if self._sharded_ddp_kwargs["reduce_buffer_size"] > 0:
             for optimizer in sharded:
                 _keep_gradient_views(optimizer)
