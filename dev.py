@@ -75,9 +75,9 @@ def _ensure(environment: Environment) -> None:
     pip = (environment.python, "-m", "pip", "install", "--quiet", "-c", "constraints.txt")
     _run(environment.python, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
     if environment.lightning_package == "pytorch-lightning":
-        _run(*pip, "-e", ".[pytorch-lightning,plots,docs,test]")
+        _run(*pip, "-e", ".[pytorch-lightning,plots,docs,test,zoo]")
     else:
-        _run(*pip, "-e", ".[plots,test]")
+        _run(*pip, "-e", ".[plots,test,zoo]")
         _run(*pip, "--no-deps", "lightning")
         listed = subprocess.run(
             [str(environment.python), "-c", _LIGHTNING_REQUIREMENTS], capture_output=True, text=True, check=True
