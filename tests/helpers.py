@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -153,3 +154,53 @@ def assert_resume_continues_the_run(tmp_path: Path, saved_by: Any, resumed_by: A
     tail = whole[len(whole) - len(after) :]
     assert max(abs(a - b) for a, b in zip(after, tail, strict=True)) <= atol  # the first one included: no spike
     assert_same_weights(uninterrupted, resumed, atol=atol)
+
+
+def assert_same_tree(left: Any, right: Any, where: str = "checkpoint") -> None:
+    """Two nested containers (checkpoints) hold the same keys, values and exactly equal tensors."""
+    if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):
+        assert isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor), f"{where}: {left!r} vs {right!r}"
+        assert left.dtype == right.dtype and torch.equal(left, right), f"{where}: tensors differ"
+    elif isinstance(left, Mapping):
+        assert isinstance(right, Mapping) and left.keys() == right.keys(), f"{where}: keys {list(left)} vs {right!r}"
+        for key in left:
+            assert_same_tree(left[key], right[key], f"{where}[{key!r}]")
+    elif isinstance(left, list | tuple):
+        assert type(left) is type(right) and len(left) == len(right), f"{where}: {left!r} vs {right!r}"
+        for index, (a, b) in enumerate(zip(left, right, strict=True)):
+            assert_same_tree(a, b, f"{where}[{index}]")
+    else:
+        assert left == right, f"{where}: {left!r} vs {right!r}"
+
+
+class SaveAtTrainEnd(pl.Callback):
+    """Saves a checkpoint on every rank at the very end of training (what a fit ends with)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+class WarningRecorder(pl.Callback):
+    """Records the warnings each rank raises from setup until training starts (restoring a checkpoint included) and
+    writes their messages to ``<dir>/warnings-rank<r>.json``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._catcher: Any = None
+        self._records: list[Any] = []
+
+    def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
+        self._catcher = warnings.catch_warnings(record=True)
+        self._records = self._catcher.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self._catcher.__exit__(None, None, None)
+        messages = [str(record.message) for record in self._records]
+        (self.directory / f"warnings-rank{trainer.global_rank}.json").write_text(json.dumps(messages))
+
+    def read(self, world_size: int = 2) -> list[list[str]]:
+        return [json.loads((self.directory / f"warnings-rank{rank}.json").read_text()) for rank in range(world_size)]

@@ -42,6 +42,7 @@ from lightning_strategies.checkpoint import (
 )
 from lightning_strategies.checkpoint.errors import CheckpointFormatError
 from lightning_strategies.checkpoint.sharded import SHARDED_META_FILE, write_sharded_meta
+from lightning_strategies.checkpoint.training_state import holds_optimizer_state, resume_without_optimizer_state
 
 from .._lightning import (
     _PATH,
@@ -65,7 +66,7 @@ from .._lightning import (
     reset_seed,
 )
 from .atomic_io import AtomicTorchCheckpointIO
-from .launcher import CanonicalStateLauncher
+from .launcher import HAND_BACK_OPTIONS, CanonicalStateLauncher, HandBack
 from .redirection import ForwardRedirection
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -105,7 +106,7 @@ class RanksDisagreeError(RuntimeError):
 
 
 # Attributes that hold run state, not options: they may differ between processes without harm.
-_RUN_STATE = frozenset({"_checkpoint_source", "_failure_timeout", "_failed", "_final_model_state"})
+_RUN_STATE = frozenset({"_checkpoint_source", "_failure_timeout", "_failed"})
 
 
 def default_failure_timeout() -> float:
@@ -141,6 +142,9 @@ class DirectReferenceStrategy(ParallelStrategy):
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
         timeout: Timeout of collective operations.
         start_method: ``"popen"`` (one script per rank), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        hand_back: What a fork/spawn fit hands back to the main process: ``"checkpoint"`` (everything
+            ``trainer.save_checkpoint`` needs there, costing one canonical copy of the optimizer states in the main
+            process) or ``"weights"`` (the weights only, as upstream).
     """
 
     #: Registry name, also written into each checkpoint's metadata block.
@@ -156,7 +160,10 @@ class DirectReferenceStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
+        hand_back: HandBack = "checkpoint",
     ) -> None:
+        if hand_back not in HAND_BACK_OPTIONS:
+            raise ValueError(f"hand_back must be one of {', '.join(map(repr, HAND_BACK_OPTIONS))}, got {hand_back!r}.")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -169,8 +176,8 @@ class DirectReferenceStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method: StartMethod = start_method
+        self._hand_back: HandBack = hand_back
         self._checkpoint_source = "the checkpoint"
-        self._final_model_state: dict[str, Any] | None = None
         self._failure_timeout: float | None = None
         self._failed = False
 
@@ -248,7 +255,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = CanonicalStateLauncher(self, start_method=self._start_method)
+            self._launcher = CanonicalStateLauncher(self, self._start_method, source=self, hand_back=self._hand_back)
 
     @override
     def setup_environment(self) -> None:
@@ -510,27 +517,12 @@ class DirectReferenceStrategy(ParallelStrategy):
         """
         raise NotImplementedError(f"{type(self).__name__} shards gradients and must implement clip_grad_by_norm().")
 
-    def take_final_model_state(self) -> dict[str, Any]:
-        """The canonical model state taken at the end of fit (see :meth:`teardown`); ``{}`` when there is none."""
-        state, self._final_model_state = self._final_model_state or {}, None
-        return state
-
     @override
     def teardown(self) -> None:
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
-        if (
-            isinstance(self._launcher, CanonicalStateLauncher)
-            and trainer is not None
-            and trainer.state.fn == TrainerFn.FITTING
-            and _distributed_is_initialized()  # a worker; the launching process tears down too after a failure
-        ):
-            # The launcher sends the trained weights to the main process after teardown, when the wrapper that
-            # could gather them is gone: take them now, while every rank still holds its shard.
-            self._final_model_state = self.full_model_state()
-            # Leave together: a spawned rank that exits while its peer still finishes the gather's last collective
-            # closes the peer's gloo connection under it, and the peer aborts (SIGABRT) on its way out.
-            self.barrier("final model state gathered")
+        if isinstance(self._launcher, CanonicalStateLauncher) and trainer is not None:
+            self._launcher.capture_end_of_fit(trainer)  # while the wrapper can still gather
         if trainer is not None:  # a run that ended before the Trainer restored anything
             vars(trainer._checkpoint_connector).pop("resume_start", None)
         if self._precision_plugin is not None:
@@ -625,6 +617,8 @@ class DirectReferenceStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         self._require_same_save_path(filepath)  # a rank's different path would be silently ignored
+        if isinstance(self._launcher, CanonicalStateLauncher):  # the main process after a fork/spawn fit
+            checkpoint = self._launcher.complete_checkpoint(checkpoint)
         if self.is_global_zero:
             stamped = {**checkpoint, METADATA_KEY: self.checkpoint_metadata().to_dict()}
             self.checkpoint_io.save_checkpoint(stamped, filepath, storage_options=storage_options)
@@ -676,20 +670,18 @@ class DirectReferenceStrategy(ParallelStrategy):
         require_full_checkpoint(checkpoint, source=source)
         if "state_dict" not in checkpoint:
             raise CheckpointFormatError(f"{source} has no 'state_dict' (keys: {', '.join(sorted(checkpoint))}).")
-        if self._restoring_optimizers(checkpoint):
-            # Refuse a checkpoint whose optimizer states do not fit *before* changing the weights.
-            self._check_optimizer_states(checkpoint["optimizer_states"])
+        trainer = self.require_lightning_module()._trainer
+        if trainer is not None and self._restoring_optimizers(trainer):
+            if holds_optimizer_state(checkpoint):
+                # Refuse a checkpoint whose optimizer states do not fit *before* changing the weights.
+                self._check_optimizer_states(checkpoint["optimizer_states"])
+            else:  # warns once; the optimizers and schedulers start fresh
+                schedulers = [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
+                resume_without_optimizer_state(checkpoint, len(self.optimizers), schedulers, self._checkpoint_source)
         self._load_canonical_model_state(checkpoint["state_dict"], strict=strict)
 
-    def _restoring_optimizers(self, checkpoint: Mapping[str, Any]) -> bool:
-        module = self.require_lightning_module()
-        trainer = module._trainer
-        return (
-            trainer is not None
-            and trainer.state.fn == TrainerFn.FITTING
-            and self.lightning_restore_optimizer
-            and "optimizer_states" in checkpoint
-        )
+    def _restoring_optimizers(self, trainer: pl.Trainer) -> bool:
+        return trainer.state.fn == TrainerFn.FITTING and self.lightning_restore_optimizer
 
     def _load_canonical_model_state(self, state: Mapping[str, Any], strict: bool) -> None:
         """Hook: puts canonical model state into the (wrapped) model. Default: the module holds whole tensors."""
@@ -710,6 +702,8 @@ class DirectReferenceStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint["optimizer_states"]
+        if not holds_optimizer_state(checkpoint):
+            return  # warned about in load_model_state_dict: the optimizers start fresh
         self._check_optimizer_states(states)
         for optimizer, state in zip(self._raw_optimizers(), states, strict=True):
             self._load_canonical_optimizer_state(optimizer, state)

@@ -48,7 +48,7 @@ from lightning_strategies.checkpoint.sharded import (
 
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl
 from .base import DirectReferenceStrategy, StartMethod
-from .launcher import CanonicalStateLauncher
+from .launcher import CanonicalStateLauncher, HandBack
 from .optimizers import retarget_schedulers, twin_optimizer
 
 FSDP = FullyShardedDataParallel
@@ -252,6 +252,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
         timeout: Timeout of collective operations.
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        hand_back: After a fork/spawn fit, ``"checkpoint"`` (the main process can save a complete checkpoint) or
+            ``"weights"`` (weights only, less memory in the main process).
         auto_wrap_min_params: Submodules with at least this many parameters get their own FSDP; ``None`` wraps only
             the root. Ignored when ``configure_model`` already wrapped submodules.
         state_dict_type: ``"full"`` (one canonical file) or ``"sharded"`` (a directory, one file per rank).
@@ -277,6 +279,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
+        hand_back: HandBack = "checkpoint",
         auto_wrap_min_params: int | None = 100_000_000,
         state_dict_type: Literal["full", "sharded"] = "full",
         **fsdp_kwargs: Any,
@@ -299,6 +302,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
+            hand_back=hand_back,
         )
         self._fsdp_kwargs = {"state_dict_on_rank_0_only": True, **fsdp_kwargs}
         self._auto_wrap_min_params = auto_wrap_min_params

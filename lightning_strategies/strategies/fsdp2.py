@@ -43,6 +43,7 @@ from lightning_strategies.checkpoint.sharded import read_sharded_meta
 
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, pl
 from .base import DirectReferenceStrategy, StartMethod
+from .launcher import HandBack
 
 
 def _is_sharded(module: Module) -> bool:
@@ -68,6 +69,8 @@ class FSDP2Strategy(DirectReferenceStrategy):
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
         timeout: Timeout of collective operations.
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        hand_back: After a fork/spawn fit, ``"checkpoint"`` (the main process can save a complete checkpoint) or
+            ``"weights"`` (weights only, less memory in the main process).
         shard_module_classes: Submodule classes that get their own ``fully_shard`` (e.g. transformer blocks).
         min_num_params: Also shard submodules holding at least this many parameters not yet sharded below them.
         reshard_after_forward: Free gathered parameters after forward (ZeRO-3) or keep them until backward.
@@ -95,6 +98,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
+        hand_back: HandBack = "checkpoint",
         shard_module_classes: Iterable[type[Module]] = (),
         min_num_params: int | None = None,
         reshard_after_forward: bool | None = None,
@@ -114,6 +118,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
+            hand_back=hand_back,
         )
         self._shard_module_classes = tuple(shard_module_classes)
         self._min_num_params = min_num_params

@@ -20,6 +20,7 @@ from lightning_strategies.checkpoint import shallow_copy_state
 
 from .._lightning import CheckpointIO, ClusterEnvironment, Precision, pl
 from .base import DirectReferenceStrategy, StartMethod
+from .launcher import HandBack
 from .optimizers import retarget_schedulers, twin_optimizer
 
 # Keyword arguments ShardedDataParallel accepts besides the module and the optimizers it builds from.
@@ -83,6 +84,8 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
         timeout: Timeout of collective operations.
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        hand_back: After a fork/spawn fit, ``"checkpoint"`` (the main process can save a complete checkpoint) or
+            ``"weights"`` (weights only, less memory in the main process).
         **sharded_ddp_kwargs: Passed to ``fairscale.nn.ShardedDataParallel`` (``broadcast_buffers``,
             ``reduce_buffer_size``, ``auto_refresh_trainable``, ``reduce_fp16``, ...). ``reduce_buffer_size``
             defaults to 0 here (fairscale: 2**23): with buckets, gradients must be zeroed in place, so the
@@ -104,6 +107,7 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
+        hand_back: HandBack = "checkpoint",
         **sharded_ddp_kwargs: Any,
     ) -> None:
         unknown = sorted(set(sharded_ddp_kwargs) - SHARDED_DDP_KWARGS)
@@ -127,6 +131,7 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
+            hand_back=hand_back,
         )
         self._sharded_ddp_kwargs = {"reduce_buffer_size": 0, **sharded_ddp_kwargs}
 
