@@ -176,11 +176,12 @@ def assert_same_tree(left: Any, right: Any, where: str = "checkpoint") -> None:
 class SaveAtTrainEnd(pl.Callback):
     """Saves a checkpoint on every rank at the very end of training (what a fit ends with)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, weights_only: bool = False) -> None:
         self.path = path
+        self.weights_only = weights_only
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        trainer.save_checkpoint(self.path)
+        trainer.save_checkpoint(self.path, weights_only=self.weights_only)
 
 
 class WarningRecorder(pl.Callback):

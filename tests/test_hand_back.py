@@ -55,14 +55,30 @@ def test_main_process_save_after_fit_equals_rank_zeros_save_at_the_end_of_fit(tm
     at_train_end = tmp_path / "rank0-at-train-end.ckpt"
     checkpoints = ModelCheckpoint(dirpath=tmp_path / "checkpoints", filename="{epoch}", monitor="train_loss")
     callbacks = [checkpoints, SaveAtTrainEnd(at_train_end)]
-    fit_then_save_in_main_process(strategy, tmp_path / "main.ckpt", callbacks=callbacks, enable_checkpointing=True)
+    trainer = fit_then_save_in_main_process(
+        strategy, tmp_path / "main.ckpt", callbacks=callbacks, enable_checkpointing=True
+    )
 
     main, rank0 = load(tmp_path / "main.ckpt"), load(at_train_end)
     assert_same_tree(rank0, main)
+    assert "state_dict" not in trainer.strategy.launcher.end_of_fit_state  # one copy of the weights: the module's
     # What upstream's main process loses, here equal to rank 0's: optimizer, scheduler, loop and callback state.
     assert sorted(main["optimizer_states"][0]["state"]) == [0, 1, 2, 3]
     assert main["lr_schedulers"][0]["last_epoch"] == main["global_step"] > 0
     assert main["callbacks"][checkpoints.state_key]["best_model_score"] is not None
+
+
+@pytest.mark.parametrize("strategy", FORK)
+def test_a_weights_only_save_in_the_main_process_gets_the_end_of_fit_counters_and_stays_weights_only(
+    tmp_path: Path, strategy: str
+) -> None:
+    at_train_end = tmp_path / "rank0-at-train-end.ckpt"
+    trainer = fit(strategy, new_model(), callbacks=[SaveAtTrainEnd(at_train_end, weights_only=True)], max_epochs=1)
+    trainer.save_checkpoint(tmp_path / "main.ckpt", weights_only=True)
+
+    main = load(tmp_path / "main.ckpt")
+    assert_same_tree(load(at_train_end), main)
+    assert "optimizer_states" not in main and main["global_step"] > 0
 
 
 @pytest.mark.parametrize(
@@ -86,17 +102,29 @@ def test_main_process_checkpoint_resumes_as_the_uninterrupted_run(
     assert_same_weights(uninterrupted, resumed, atol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", FORK)
-def test_hand_back_weights_leaves_main_process_saves_without_optimizer_state(tmp_path: Path, strategy: str) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "options"),
+    [(name, {"hand_back": "weights"}) for name in FORK]
+    + [(name, {"state_dict_type": "sharded"}) for name in ("fsdp_fairscale_fork", "fsdp2_fork")],
+)
+def test_without_the_checkpoint_hand_back_only_the_weights_come_back(
+    tmp_path: Path, strategy: str, options: dict[str, Any]
+) -> None:
     reference = new_model()
     fit(strategy, reference, max_epochs=1)
+    trainer = fit(CLASSES[family(strategy)](start_method="fork", **options), new_model(), max_epochs=1)
+
+    assert trainer.strategy.launcher.end_of_fit_state is None
+    assert_same_weights(reference, trainer.lightning_module)
+
+
+@pytest.mark.parametrize("strategy", FORK)
+def test_hand_back_weights_leaves_main_process_saves_without_optimizer_state(tmp_path: Path, strategy: str) -> None:
     weights_only = CLASSES[family(strategy)](start_method="fork", hand_back="weights")
-    trainer = fit_then_save_in_main_process(weights_only, tmp_path / "main.ckpt")
+    fit_then_save_in_main_process(weights_only, tmp_path / "main.ckpt")
 
     saved = load(tmp_path / "main.ckpt")
     assert saved["optimizer_states"] == [] and saved["lr_schedulers"] == []
-    assert trainer.strategy.launcher.end_of_fit_state is None
-    assert_same_weights(reference, trainer.lightning_module)
 
 
 def test_an_unknown_hand_back_is_refused_naming_the_options() -> None:
