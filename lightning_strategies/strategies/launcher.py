@@ -139,7 +139,8 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
         if trainer.state.fn != TrainerFn.FITTING or not _distributed_is_initialized():
             return  # not fitting, or the launching process tearing down after a failure
         if self._hand_back == "checkpoint" and self._source.checkpoint_metadata().state_dict_type == "full":
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            # The full dump (False: not weights-only), as trainer.save_checkpoint(path) makes it.
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(False)
             self._end_of_fit_weights = checkpoint.pop("state_dict")
             self._end_of_fit_state = checkpoint if self._strategy.is_global_zero else None
         else:  # a sharded save would dump shards: hand back the canonical weights only
