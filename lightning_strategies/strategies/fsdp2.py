@@ -51,6 +51,11 @@ _REFUSED_OPTIMIZER_NEEDS = {
         "fully_shard gives each rank a shard of every parameter, on which torch's implementation fails or computes"
         " other numbers than on the whole parameter"
     ),
+    OptimizerNeed.ALL_PARAMETERS_AS_ONE: (
+        "although its steps on DTensor shards reduce globally, its state holds vectors over all parameters (search"
+        " directions, the previous gradient) that fsdp2's checkpoints can neither gather into torch's layout nor"
+        " shard again"
+    ),
     OptimizerNeed.SPARSE_GRADIENTS: "fully_shard reduces and shards gradients as dense DTensors",
 }
 

@@ -15,7 +15,6 @@ DTensor cannot dispatch on the local shards of ``fully_shard``'s parameters.
 
 from __future__ import annotations
 
-import copy
 import enum
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
@@ -54,8 +53,11 @@ def twin_optimizer(optimizer: Optimizer, param_groups: Iterable[dict[str, Any]])
             the twin would step other parameters than that attribute names.
     """
     _refuse_parameter_attributes(optimizer)
-    twin = copy.copy(optimizer)
+    # Not copy.copy: it runs Optimizer.__setstate__, which adds "differentiable" to the defaults (shared with the
+    # original) of a user's class that has none, and the twin's param groups would then differ from the original's.
+    twin = object.__new__(type(optimizer))
     attributes = vars(twin)
+    attributes.update(vars(optimizer))
     for name in _OBJECT_BOUND:
         attributes.pop(name, None)
     for name, value in vars(optimizer).items():
@@ -145,8 +147,8 @@ FIXES: dict[OptimizerNeed, str] = {
         " AdamW, SGD, ...) with this strategy"
     ),
     OptimizerNeed.ALL_PARAMETERS_AS_ONE: (
-        "Use fsdp2 (its reductions over DTensor shards are global) or ddp for this optimizer, or an element-wise"
-        " optimizer (Adam, AdamW, SGD, ...) with this strategy"
+        "Use ddp (every rank steps all parameters) for this optimizer, or an element-wise optimizer (Adam, AdamW,"
+        " SGD, ...) with this strategy"
     ),
     OptimizerNeed.SPARSE_GRADIENTS: (
         "Use ddp for sparse gradients, or nn.Embedding(sparse=False) with a dense optimizer (Adam, AdamW, SGD, ...)"
