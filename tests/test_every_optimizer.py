@@ -8,6 +8,7 @@ message naming why and where it works. docs/recipes.md ("Optimizers") states thi
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -245,3 +246,17 @@ def test_sparse_adam_is_refused_by_every_sharded_strategy(strategy: str) -> None
 def test_a_sparse_embedding_is_refused_by_every_sharded_strategy(strategy: str) -> None:
     with pytest.raises(Exception, match=r"cannot train embedding: sparse=True gives sparse gradients.*sparse=False"):
         fit(_bounded(strategy), SparseEmbeddingModel("SGD"), max_epochs=1)
+
+
+def test_the_recipes_page_states_this_table() -> None:
+    page = (Path(__file__).parents[1] / "docs" / "recipes.md").read_text()
+    section = page.split("## Optimizers", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith(("| `", "| your own"))]
+    stated: dict[str, tuple[str, ...]] = {}
+    for row in rows:
+        first, *cells = (cell.strip() for cell in row.strip("|").split("|"))
+        names = ["ScaledMomentum"] if first.startswith("your own") else re.findall(r"`(\w+)`", first.split("(")[0])
+        # The page's columns are STRATEGIES, in that order.
+        works = tuple(strategy for strategy, cell in zip(STRATEGIES, cells, strict=True) if cell.startswith("works"))
+        stated.update(dict.fromkeys(names, works))
+    assert stated == {**WORKS_UNDER, "SparseAdam": ()}
