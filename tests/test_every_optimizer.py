@@ -22,6 +22,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy, ShardedDDPStrategy
+from lightning_strategies.strategies.optimizers import OptimizerNeed
 from lightning_strategies.testing import ConformanceModel, SaveAfterRestore
 from tests.helpers import assert_same_checkpoint_state, fit, new_model
 
@@ -199,6 +200,23 @@ def test_every_torch_optimizer_is_covered() -> None:
         if isinstance(value, type) and issubclass(value, torch.optim.Optimizer) and value is not torch.optim.Optimizer
     }
     assert torch_optimizers - set(OPTIMIZERS) == {"SparseAdam"}  # needs sparse gradients: its own tests below
+
+
+class RowScaledSGD(torch.optim.SGD):
+    """A user's optimizer whose math depends on each parameter's shape, declared as such."""
+
+    sharding_need = (OptimizerNeed.WHOLE_PARAMETERS, "scales each matrix's rows by their norms")
+
+
+class RowScaledModel(EveryOptimizerModel):
+    def configure_optimizers(self) -> Any:
+        return RowScaledSGD(self.parameters(), lr=0.02)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp_fairscale_fork", "fsdp2_fork"])
+def test_a_users_optimizer_declaring_it_needs_whole_parameters_is_refused(strategy: str) -> None:
+    with pytest.raises(Exception, match=r"optimizer 0 \(RowScaledSGD\) exactly: it scales each matrix's rows by their"):
+        fit(_bounded(strategy), new_model(cls=RowScaledModel), max_epochs=1)
 
 
 # ---------------------------------------------------------------------------- sparse gradients

@@ -184,8 +184,13 @@ def optimizer_needs(optimizer: Optimizer) -> tuple[OptimizerNeed, str] | None:
         optimizer: The optimizer ``configure_optimizers()`` returned.
 
     Returns:
-        The need and a sentence saying why, for the torch classes in :data:`OPTIMIZER_NEEDS` and their subclasses.
+        The need and a sentence saying why: what the optimizer's class declares as ``sharding_need`` (an
+        ``(OptimizerNeed, "why")`` class attribute, for users' own optimizers), else the entry of
+        :data:`OPTIMIZER_NEEDS` for the torch classes there and their subclasses.
     """
+    declared = getattr(type(optimizer), "sharding_need", None)
+    if isinstance(declared, tuple) and len(declared) == 2 and isinstance(declared[0], OptimizerNeed):
+        return declared[0], str(declared[1])
     for name, need in OPTIMIZER_NEEDS.items():
         cls = _torch_optimizer(name)
         if cls is not None and isinstance(optimizer, cls):
