@@ -121,9 +121,9 @@ def _refuse_parameter_attributes(optimizer: Optimizer) -> None:
     if holding:
         raise ValueError(
             f"{type(optimizer).__name__} keeps its parameters in attribute(s) {', '.join(holding)} besides"
-            " param_groups. This strategy steps other parameter objects than the ones configure_optimizers() saw"
-            " (OSS shards, flat or sharded parameters) and gives the optimizer new param_groups, so those attributes"
-            " would name parameters that no longer train. Read the parameters from self.param_groups in step()."
+            " param_groups. The strategy steps a twin of it with new param_groups (this rank's OSS shard, or the flat"
+            " parameters FSDP trains), so those attributes would name parameters the twin does not step. Read the"
+            " parameters from self.param_groups in step()."
         )
 
 
