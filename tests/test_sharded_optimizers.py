@@ -87,3 +87,32 @@ def test_the_twin_does_not_step_the_original_optimizer(single_process_group: Non
 
     sharded.step()
     assert not getattr(plain, "_opt_called", False)
+
+
+class PlainMomentum(torch.optim.Optimizer):
+    """A user's optimizer whose defaults lack torch's `differentiable`."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+
+def test_the_twin_keeps_the_param_group_keys_of_a_users_optimizer(single_process_group: None) -> None:
+    plain = PlainMomentum(_groups())
+    sharded = _to_oss(plain)
+
+    # Checkpoints of a plain optimizer and of the sharded one must hold the same param group keys.
+    assert set(sharded.optim.param_groups[0]) == set(plain.param_groups[0])
+    assert plain.defaults == {"lr": 0.1}
+
+
+class KeepsItsParameters(torch.optim.SGD):
+    """An optimizer that remembers its parameters outside param_groups (as torch's LBFGS does)."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=0.1)
+        self.remembered = [p for group in self.param_groups for p in group["params"]]
+
+
+def test_an_optimizer_keeping_its_parameters_in_an_attribute_is_refused(single_process_group: None) -> None:
+    with pytest.raises(ValueError, match=r"KeepsItsParameters keeps its parameters in attribute\(s\) remembered"):
+        _to_oss(KeepsItsParameters(_groups()))

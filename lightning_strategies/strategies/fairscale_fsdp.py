@@ -49,7 +49,7 @@ from lightning_strategies.checkpoint.sharded import (
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl
 from .base import DirectReferenceStrategy, StartMethod
 from .launcher import CanonicalStateLauncher, HandBack
-from .optimizers import retarget_schedulers, twin_optimizer
+from .optimizers import OptimizerNeed, refuse_unsupported_optimizers, retarget_schedulers, twin_optimizer
 
 FSDP = FullyShardedDataParallel
 
@@ -57,6 +57,20 @@ FSDP = FullyShardedDataParallel
 FAIRSCALE_SEGMENTS = ("_fsdp_wrapped_module", "_fpw_module")
 
 FSDP_KWARGS = frozenset(inspect.signature(FSDP.__init__).parameters) - {"self", "module", "compute_device"}
+
+
+# What stepping flat 1-D shards takes away from an optimizer's math (see optimizers.OptimizerNeed).
+_REFUSED_OPTIMIZER_NEEDS = {
+    OptimizerNeed.WHOLE_PARAMETERS: (
+        "fairscale FSDP steps 1-D shards of flat parameters that concatenate the module's parameters (with"
+        " flatten_parameters=False still a 1-D shard of each): no shape, no whole tensor"
+    ),
+    OptimizerNeed.ALL_PARAMETERS_AS_ONE: (
+        "each rank steps only its shard, so each rank would compute other directions and run the closure, with"
+        " its collectives, a different number of times (a hang)"
+    ),
+    OptimizerNeed.SPARSE_GRADIENTS: "fairscale FSDP flattens and shards gradients as dense tensors",
+}
 
 
 def _canonical(path: str) -> str:
@@ -383,6 +397,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         names_before = _parameter_names(module)
         self._layouts = {}
         self.setup_optimizers(trainer)  # the user's optimizers, over the parameters as configure_optimizers saw them
+        refuse_unsupported_optimizers(self.strategy_name, self.optimizers, module, _REFUSED_OPTIMIZER_NEEDS)
         group_of = {
             id(param): (index, group_index)
             for index, optimizer in enumerate(self.optimizers)

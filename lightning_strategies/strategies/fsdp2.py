@@ -44,6 +44,21 @@ from lightning_strategies.checkpoint.sharded import read_sharded_meta
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, pl
 from .base import DirectReferenceStrategy, StartMethod
 from .launcher import HandBack
+from .optimizers import OptimizerNeed, refuse_unsupported_optimizers, step_on_local_shards, steps_on_local_shards
+
+# What fully_shard's DTensor shards take away from an optimizer's math (see optimizers.OptimizerNeed).
+_REFUSED_OPTIMIZER_NEEDS = {
+    OptimizerNeed.WHOLE_PARAMETERS: (
+        "fully_shard gives each rank a shard of every parameter, on which torch's implementation fails or computes"
+        " other numbers than on the whole parameter"
+    ),
+    OptimizerNeed.ALL_PARAMETERS_AS_ONE: (
+        "although its steps on DTensor shards reduce globally, its state holds vectors over all parameters (search"
+        " directions, the previous gradient) that fsdp2's checkpoints can neither gather into torch's layout nor"
+        " shard again"
+    ),
+    OptimizerNeed.SPARSE_GRADIENTS: "fully_shard reduces and shards gradients as dense DTensors",
+}
 
 
 def _is_sharded(module: Module) -> bool:
@@ -212,6 +227,10 @@ class FSDP2Strategy(DirectReferenceStrategy):
         module = self.require_lightning_module()
         self._shard(module)
         self.setup_optimizers(trainer)  # after sharding: configure_optimizers() sees the DTensor parameters
+        refuse_unsupported_optimizers(self.strategy_name, self.optimizers, module, _REFUSED_OPTIMIZER_NEEDS)
+        for optimizer in self.optimizers:
+            if steps_on_local_shards(optimizer):
+                step_on_local_shards(optimizer)
         self.model = module
 
     @override

@@ -21,13 +21,23 @@ from lightning_strategies.checkpoint import shallow_copy_state
 from .._lightning import CheckpointIO, ClusterEnvironment, Precision, pl
 from .base import DirectReferenceStrategy, StartMethod
 from .launcher import HandBack
-from .optimizers import retarget_schedulers, twin_optimizer
+from .optimizers import OptimizerNeed, refuse_unsupported_optimizers, retarget_schedulers, twin_optimizer
 
 # Keyword arguments ShardedDataParallel accepts besides the module and the optimizers it builds from.
 SHARDED_DDP_KWARGS = frozenset(inspect.signature(ShardedDataParallel.__init__).parameters) - {
     "self",
     "module",
     "sharded_optimizer",
+}
+
+
+# What OSS's sharding of the optimizer takes away from an optimizer's math (see optimizers.OptimizerNeed).
+_REFUSED_OPTIMIZER_NEEDS = {
+    OptimizerNeed.ALL_PARAMETERS_AS_ONE: (
+        "OSS gives each rank only the parameters of its shard to step, so each rank would compute other directions"
+        " and run the closure, with its collectives, a different number of times (a hang)"
+    ),
+    OptimizerNeed.SPARSE_GRADIENTS: "ShardedDataParallel reduces gradients as dense tensors",
 }
 
 
@@ -141,6 +151,7 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
         # The module keeps whole parameters under ShardedDataParallel, so configure_optimizers() sees the
         # parameters that train; only the optimizer objects are swapped for sharded ones.
         self.setup_optimizers(trainer)
+        refuse_unsupported_optimizers(self.strategy_name, self.optimizers, module, _REFUSED_OPTIMIZER_NEEDS)
         sharded = [_to_oss(optimizer) for optimizer in self.optimizers]
         for old, new in zip(self.optimizers, sharded, strict=True):
             retarget_schedulers(self.lr_scheduler_configs, old, new)
