@@ -106,3 +106,9 @@ class DemoProgress:
         if self.live:
             sys.stdout.write("\r" + " " * (shutil.get_terminal_size().columns - 1) + "\r")
         print(line, flush=True)
+
+    def interrupted(self) -> None:
+        """A run failed: the bar's line is ended, so the error starts on a line of its own."""
+        if self.live:
+            sys.stdout.write("\n")
+            sys.stdout.flush()

@@ -160,7 +160,11 @@ def _fit(
         limit_val_batches=0,
     )
     progress.begin(label)
-    trainer.fit(model, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(model, ckpt_path=ckpt_path)
+    except BaseException:
+        progress.interrupted()
+        raise
     losses: list[float] = json.loads((directory / "record-fit-rank0.json").read_text())["train_losses"]
     return losses
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_strategies._demo_progress import render_bar
 from lightning_strategies.cli import main
 from lightning_strategies.demo import main as demo_alias
 
@@ -105,7 +106,8 @@ def test_the_demo_writes_one_line_per_run_and_no_carriage_return_to_a_pipe(tmp_p
     assert [line.split("] ", 1)[1].split(",")[0] for line in before_table[1:]] == DEFAULT_CHAIN_RUNS
     assert before_table[-1].startswith("[12/12 steps] phase 3: resume with ddp, steps 5-6 from")
     assert "weights equal: yes" in stdout
-    assert stderr == ""  # no Lightning bars, summaries or warnings
+    assert "it/s" not in stdout + stderr  # Lightning's own bars (tqdm's rate) stay off
+    assert "Trainable params" not in stdout + stderr  # and so do its model summaries
 
 
 def test_the_demo_draws_a_single_progress_bar_in_a_terminal(tmp_path: Path) -> None:
@@ -124,3 +126,19 @@ def test_the_demo_draws_a_single_progress_bar_in_a_terminal(tmp_path: Path) -> N
 def test_the_demo_module_is_an_alias_of_the_demo_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert demo_alias(["--help"]) == 0
     assert "usage: lightning-strategies demo" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("columns", [30, 80, 200])
+def test_the_bar_line_stays_narrower_than_the_terminal(columns: int) -> None:
+    line = render_bar("phase 2: resume with ddp_sharded", 36, 48, 0.7363, columns)
+
+    assert len(line) <= columns - 1  # a line as wide as the terminal would wrap, and `\r` would not return to it
+
+
+def test_the_bar_keeps_its_width_from_before_the_first_step_to_the_end() -> None:
+    def bar(line: str) -> str:
+        return "".join(character for character in line if character in "█░")
+
+    widths = {len(bar(render_bar("phase 1: fsdp_fairscale", done, 48, loss, 100))) for done, loss in
+              [(0, None), (1, 1.5), (47, 0.5), (48, 12.25)]}  # fmt: skip
+    assert len(widths) == 1
