@@ -1,14 +1,15 @@
 """The GPU check, run on a lent GPU machine by the one command that ``scripts/gpu_prepare.py`` prints.
 
-Runs, within ``--budget`` seconds and in this order (the most telling first, each step in its own processes with a
-time limit of its own):
+Runs, within ``--budget`` seconds (the GPU steps in this order, the most telling first, each in its own processes with
+a time limit of its own):
 
 1. ``cuda-tests``: ``tests/gpu`` but the zoo (every strategy at world size 1 on ``cuda:0`` with NCCL: fit, save,
    resume under every other strategy exactly; ``16-mixed`` and ``bf16-mixed``; CPU offload);
 2. ``zoo``: ``tests/gpu/test_zoo_cuda.py`` (GPT-2 and ResNet from ``tests/zoo`` on CUDA; skipped without the zoo);
 3. ``memory``: ``scripts/gpu_memory.py`` for ``ddp``, ``ddp_sharded``, ``fsdp_fairscale`` and ``fsdp2``;
 4. ``cpu-suite``: the whole CPU suite with CUDA hidden (``CUDA_VISIBLE_DEVICES=""``), the torch leg of that machine's
-   torch version, on as many workers as ``pytest-xdist`` gives (one file per worker) in the time that is left.
+   torch version, one test file per ``pytest-xdist`` worker; it runs beside steps 1-3 from the start, on the CPU
+   cores they leave, until the budget ends.
 
 Writes ``report.json`` (versions, each step's outcome and failures, the memory figures) and one log per step into
 ``--out``. Exit code 0 when every step passed. ``--rehearse`` runs the same steps on the CPU (the CUDA tests through
@@ -35,8 +36,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 MEMORY_STRATEGIES = ("ddp", "ddp_sharded", "fsdp_fairscale", "fsdp2")
 ZOO_TESTS = "tests/gpu/test_zoo_cuda.py"
-#: Most seconds each step may take (the CPU suite takes what is left); a step that ends early leaves its time over.
-STEP_LIMITS = {"cuda-tests": 200.0, "zoo": 100.0, "memory": 80.0}
+#: Share of the budget each GPU step may take at most (200, 100 and 80 s of the default 480); a step that ends early
+#: leaves its time to the next. The CPU suite runs beside them until the budget ends.
+STEP_SHARES = {"cuda-tests": 200 / 480, "zoo": 100 / 480, "memory": 80 / 480}
 VERSIONS_OF = ("torch", "pytorch-lightning", "lightning", "lightning-utilities", "fairscale", "transformers")
 VERSIONS_OF += ("huggingface-hub", "tokenizers", "pytest", "pytest-xdist", "hypothesis", "numpy")
 LOG_TAIL = 3000
@@ -57,20 +59,32 @@ def _versions() -> dict[str, Any]:
     return found
 
 
+class _Running:
+    """A command started with its output in ``log``, to be waited for until a deadline."""
+
+    def __init__(self, command: list[str], log: Path, env: dict[str, str]) -> None:
+        self.log = log
+        self.started = time.monotonic()
+        self._handle = log.open("w")
+        self._handle.write("$ " + " ".join(command) + "\n")
+        self._handle.flush()
+        self._process = subprocess.Popen(command, cwd=ROOT, stdout=self._handle, stderr=subprocess.STDOUT, env=env)
+
+    def wait(self, limit: float) -> tuple[int | None, float]:
+        """The exit code (``None`` when it ran past ``limit`` more seconds and was killed) and the seconds it ran."""
+        try:
+            code: int | None = self._process.wait(timeout=max(limit, 1.0))
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+            code = None
+        self._handle.close()
+        return code, round(time.monotonic() - self.started, 1)
+
+
 def _run(command: list[str], log: Path, limit: float, env: dict[str, str]) -> tuple[int | None, float]:
     """Runs ``command`` with its output in ``log``; ``None`` as exit code when it ran past ``limit`` seconds."""
-    started = time.monotonic()
-    with log.open("w") as handle:
-        handle.write("$ " + " ".join(command) + "\n")
-        handle.flush()
-        process = subprocess.Popen(command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, env=env)
-        try:
-            code: int | None = process.wait(timeout=max(limit, 1.0))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            code = None
-    return code, round(time.monotonic() - started, 1)
+    return _Running(command, log, env).wait(limit)
 
 
 def _junit(path: Path) -> dict[str, Any]:
@@ -98,17 +112,24 @@ def _tail(log: Path) -> str:
     return text[-LOG_TAIL:]
 
 
-def _pytest_step(name: str, arguments: list[str], out: Path, limit: float, env: dict[str, str]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as scratch:
-        junit = Path(scratch) / "junit.xml"
-        command = [sys.executable, "-m", "pytest", *arguments, "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
-        code, seconds = _run(command, out / f"{name}.log", limit, env)
-        results = _junit(junit)
-    # pytest exit codes: 0 all passed, 1 some failed, 5 no test collected (every test skipped counts as passed).
+def _pytest_command(arguments: list[str], junit: Path) -> list[str]:
+    return [sys.executable, "-m", "pytest", *arguments, "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+
+
+def _pytest_result(code: int | None, seconds: float, junit: Path, log: Path) -> dict[str, Any]:
+    results = _junit(junit)
+    # pytest exit codes: 0 all passed, 1 some failed, 5 no test collected.
     status = "timed out" if code is None else {0: "passed", 5: "nothing ran"}.get(code, "failed")
     if status in ("passed", "nothing ran") and results.get("skipped") and not results.get("passed"):
         status = "all skipped"  # e.g. a module skipped whole at collection (pytest's exit code 5)
-    return {"status": status, "exit_code": code, "seconds": seconds, **results, "log_tail": _tail(out / f"{name}.log")}
+    return {"status": status, "exit_code": code, "seconds": seconds, **results, "log_tail": _tail(log)}
+
+
+def _pytest_step(name: str, arguments: list[str], out: Path, limit: float, env: dict[str, str]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as scratch:
+        junit = Path(scratch) / "junit.xml"
+        code, seconds = _run(_pytest_command(arguments, junit), out / f"{name}.log", limit, env)
+        return _pytest_result(code, seconds, junit, out / f"{name}.log")
 
 
 def _memory_step(out: Path, limit: float, env: dict[str, str], rehearse: bool) -> dict[str, Any]:
@@ -161,24 +182,33 @@ def main(argv: list[str] | None = None) -> int:
     }
     steps = report["steps"]
 
-    def left(cap: float | None = None) -> float:
+    def left(step: str | None = None) -> float:
         remaining = args.budget - (time.monotonic() - started)
-        return min(cap, remaining) if cap is not None else remaining
+        return min(STEP_SHARES[step] * args.budget, remaining) if step is not None else remaining
 
     def save() -> None:
         (args.out / "report.json").write_text(json.dumps(report, indent=2))
 
-    gpu_tests = ["tests/gpu", f"--ignore={ZOO_TESTS}"]
-    steps["cuda-tests"] = _pytest_step("cuda-tests", gpu_tests, args.out, left(STEP_LIMITS["cuda-tests"]), env)
-    save()
-    steps["zoo"] = _pytest_step("zoo", [ZOO_TESTS, "-rs"], args.out, left(STEP_LIMITS["zoo"]), env)
-    save()
-    steps["memory"] = _memory_step(args.out, left(STEP_LIMITS["memory"]), env, args.rehearse)
-    save()
+    # The CPU suite (CUDA hidden) runs beside the GPU steps, on the cores they leave: most of the budget for both.
     cpu_env = {**env, "CUDA_VISIBLE_DEVICES": ""}
     cpu_env.pop("LIGHTNING_STRATEGIES_GPU_REHEARSAL", None)
-    workers = ["-n", str(min(8, os.cpu_count() or 1)), "--dist", "loadfile"] if _has("xdist") else []
-    steps["cpu-suite"] = _pytest_step("cpu-suite", [*args.cpu_suite, *workers], args.out, left() - 5, cpu_env)
+    workers = max(1, min(8, (os.cpu_count() or 1) - 4))
+    parallel = ["-n", str(workers), "--dist", "loadfile"] if _has("xdist") and workers > 1 else []
+    scratch = tempfile.TemporaryDirectory()
+    cpu_junit = Path(scratch.name) / "junit.xml"
+    cpu_log = args.out / "cpu-suite.log"
+    cpu_suite = _Running(_pytest_command([*args.cpu_suite, *parallel], cpu_junit), cpu_log, cpu_env)
+
+    gpu_tests = ["tests/gpu", f"--ignore={ZOO_TESTS}"]
+    steps["cuda-tests"] = _pytest_step("cuda-tests", gpu_tests, args.out, left("cuda-tests"), env)
+    save()
+    steps["zoo"] = _pytest_step("zoo", [ZOO_TESTS, "-rs"], args.out, left("zoo"), env)
+    save()
+    steps["memory"] = _memory_step(args.out, left("memory"), env, args.rehearse)
+    save()
+    code, seconds = cpu_suite.wait(left() - 5)
+    steps["cpu-suite"] = {**_pytest_result(code, seconds, cpu_junit, cpu_log), "workers": workers if parallel else 1}
+    scratch.cleanup()
     report["seconds"] = round(time.monotonic() - started, 1)
     report["passed"] = all(step["status"] in ("passed", "all skipped") for step in steps.values())
     save()
