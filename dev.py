@@ -19,7 +19,7 @@ import hashlib
 import os
 import subprocess
 import sys
-import venv
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,11 +56,31 @@ for requirement in importlib.metadata.requires("lightning") or []:
 """
 
 
-def _run(*command: str | Path, env: dict[str, str] | None = None) -> None:
-    print("+", " ".join(str(part) for part in command), flush=True)
+def _run(*command: str | Path, env: dict[str, str] | None = None, echo: bool = True) -> None:
+    if echo:
+        print("+", " ".join(str(part) for part in command), flush=True)
     result = subprocess.run([str(part) for part in command], cwd=ROOT, check=False, env=env)
     if result.returncode != 0:
         sys.exit(result.returncode)
+
+
+def _step(message: str, *command: str | Path) -> str:
+    """One line for one step of an environment build; the command's own output only when it fails.
+
+    Returns:
+        The command's standard output.
+    """
+    print(f"{message} ...", end=" ", flush=True)
+    started = time.perf_counter()
+    result = subprocess.run([str(part) for part in command], cwd=ROOT, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        print("failed:", " ".join(str(part) for part in command), flush=True)
+        sys.stdout.write(result.stdout)
+        sys.stdout.flush()
+        sys.stderr.write(result.stderr)
+        sys.exit(result.returncode)
+    print(f"done ({time.perf_counter() - started:.0f} s)", flush=True)
+    return result.stdout
 
 
 def _ensure(environment: Environment) -> None:
@@ -70,19 +90,29 @@ def _ensure(environment: Environment) -> None:
     ).hexdigest()
     if stamp.exists() and stamp.read_text() == digest:
         return
+    name = environment.directory.name
     if not environment.python.exists():
-        venv.EnvBuilder(with_pip=True).create(environment.directory)
-    pip = (environment.python, "-m", "pip", "install", "--quiet", "-c", "constraints.txt")
-    _run(environment.python, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
+        _step(f"creating {name}", sys.executable, "-m", "venv", environment.directory)
+    python = environment.python
+    pip = (python, "-m", "pip", "install", "--progress-bar", "off", "-c", "constraints.txt")
+    _step(f"upgrading pip in {name}", python, "-m", "pip", "install", "--progress-bar", "off", "--upgrade", "pip")
     if environment.lightning_package == "pytorch-lightning":
-        _run(*pip, "-e", ".[pytorch-lightning,plots,docs,test,zoo]")
-    else:
-        _run(*pip, "-e", ".[plots,test,zoo]")
-        _run(*pip, "--no-deps", "lightning")
-        listed = subprocess.run(
-            [str(environment.python), "-c", _LIGHTNING_REQUIREMENTS], capture_output=True, text=True, check=True
+        _step(
+            f"installing pinned packages into {name} (torch CPU, pytorch-lightning, fairscale, test and docs tools)",
+            *pip,
+            "-e",
+            ".[pytorch-lightning,plots,docs,test,zoo]",
         )
-        _run(*pip, *listed.stdout.split())
+    else:
+        _step(
+            f"installing pinned packages into {name} (torch CPU, fairscale, test tools)",
+            *pip,
+            "-e",
+            ".[plots,test,zoo]",
+        )
+        _step(f"installing lightning into {name} (without pytorch-lightning)", *pip, "--no-deps", "lightning")
+        listed = _step(f"listing lightning's requirements in {name}", python, "-c", _LIGHTNING_REQUIREMENTS)
+        _step(f"installing lightning's requirements into {name}", *pip, *listed.split())
     stamp.write_text(digest)
 
 
@@ -94,7 +124,7 @@ def main(argv: list[str]) -> None:
     main_env = PYTORCH_LIGHTNING_ENV
     _ensure(main_env)
     if command == "demo":
-        _run(main_env.python, "-m", "lightning_strategies", "demo", *rest)
+        _run(main_env.python, "-m", "lightning_strategies", "demo", *rest, echo=False)
         return
     if command == "bench":
         _run(main_env.python, "-m", "benchmarks", *rest)

@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import shutil
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ._demo_progress import DemoProgress, draw_bar
 from ._lightning import FLAVOUR, ModelCheckpoint, StrategyRegistry, pl
 from .cli._common import EXIT_FAILED, EXIT_OK, UsageError
 from .testing import ConformanceModel, SaveAfterRestore, max_state_difference
@@ -102,6 +104,28 @@ def resolve_strategy(name: str) -> str:
     return forked if not name.endswith("_fork") and forked in available else name
 
 
+class _StepProgress(pl.Callback):
+    """Moves the demo's bar on after each of rank 0's training steps (in the worker that trains).
+
+    Holds only plain values, so a spawned worker unpickles it; the demo's process keeps its own count (a run in that
+    process would otherwise count its steps twice).
+    """
+
+    def __init__(self, label: str, done_before: int, total: int) -> None:
+        self.label = label
+        self.done = done_before
+        self.total = total
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not trainer.is_global_zero:
+            return
+        self.done += 1
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        draw_bar(self.label, self.done, self.total, float(loss) if isinstance(loss, torch.Tensor) else None)
+
+
 def _fit(
     strategy: str,
     directory: Path,
@@ -109,7 +133,8 @@ def _fit(
     devices: int,
     epochs: int,
     samples: int,
-    show_progress: bool,
+    progress: DemoProgress,
+    label: str,
     ckpt_path: Path | None = None,
     restored: Path | None = None,
 ) -> list[float]:
@@ -120,6 +145,8 @@ def _fit(
     callbacks: list[pl.Callback] = [ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)]
     if restored is not None:
         callbacks.append(SaveAfterRestore(restored))
+    if progress.live:
+        callbacks.append(_StepProgress(progress.bar_label(label), progress.done, progress.total_steps))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -127,12 +154,17 @@ def _fit(
         max_epochs=epochs,
         logger=False,
         callbacks=callbacks,
-        enable_progress_bar=show_progress,
+        enable_progress_bar=False,  # the demo draws one display over all its runs
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    trainer.fit(model, ckpt_path=ckpt_path)
+    progress.begin(label)
+    try:
+        trainer.fit(model, ckpt_path=ckpt_path)
+    except BaseException:
+        progress.interrupted()
+        raise
     losses: list[float] = json.loads((directory / "record-fit-rank0.json").read_text())["train_losses"]
     return losses
 
@@ -158,7 +190,8 @@ def run_demo(
             one also trains the uninterrupted reference.
         devices: CPU processes per run.
         steps: Training steps per phase (one epoch).
-        show_progress: Show Lightning's progress bar.
+        show_progress: Draw a progress bar when standard output is a terminal (one line per run is always
+            written).
 
     Returns:
         The report.
@@ -169,21 +202,38 @@ def run_demo(
     runs_as = [resolve_strategy(name) for name in strategies]
     out.mkdir(parents=True, exist_ok=True)
     samples = steps * BATCH_SIZE * devices  # one epoch is `steps` steps on every rank
-    fit_args: dict[str, Any] = {"devices": devices, "samples": samples, "show_progress": show_progress}
     phases = len(strategies)
+    labels = [f"reference run: {strategies[0]}", f"phase 1: {strategies[0]}"]
+    labels += [f"phase {number}: resume with {name}" for number, name in enumerate(strategies[1:], start=2)]
+    live = show_progress and sys.stdout.isatty()
+    progress = DemoProgress(2 * phases * steps, live, label_width=max(len(label) for label in labels))
+    fit_args: dict[str, Any] = {"devices": devices, "samples": samples, "progress": progress}
     print(
-        f"reference: {strategies[0]} uninterrupted for {phases * steps} steps on {devices} CPU process(es)", flush=True
+        f"training {progress.total_steps} steps in {phases + 1} runs on {devices} CPU process(es): {strategies[0]}"
+        f" uninterrupted (the reference), then {' -> '.join(strategies)}, each resuming the previous checkpoint",
+        flush=True,
     )
     reference_dir = out / "reference"
-    reference = _fit(runs_as[0], reference_dir, epochs=phases, **fit_args)
+    reference = _fit(runs_as[0], reference_dir, epochs=phases, label=labels[0], **fit_args)
+    progress.end(phases * steps, f"steps 1-{phases * steps} uninterrupted", reference)
     results: list[Phase] = []
     previous: Path | None = None
     for index, (name, registry_name) in enumerate(zip(strategies, runs_as, strict=True)):
         directory = out / f"phase{index + 1}-{name}"
-        action = f"resumes {previous.relative_to(out)}" if previous is not None else "starts"
-        print(f"phase {index + 1}: {name} {action}, trains steps {index * steps + 1}-{(index + 1) * steps}", flush=True)
+        detail = f"steps {index * steps + 1}-{(index + 1) * steps}"
+        if previous is not None:
+            detail += f" from {previous.relative_to(out)}"
         restored = directory / "restored.ckpt" if previous is not None else None
-        losses = _fit(registry_name, directory, epochs=index + 1, ckpt_path=previous, restored=restored, **fit_args)
+        losses = _fit(
+            registry_name,
+            directory,
+            epochs=index + 1,
+            ckpt_path=previous,
+            restored=restored,
+            label=labels[index + 1],
+            **fit_args,
+        )
+        progress.end(steps, detail, losses)
         checkpoint = directory / f"epoch={index}.ckpt"
         saved = _load(checkpoint)
         final_difference, _ = max_state_difference(
@@ -330,8 +380,6 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m lightning_strategies.demo [options]``: an alias of ``lightning-strategies demo [options]``."""
-    import sys
-
     from .cli import main as cli_main
 
     return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])

@@ -39,13 +39,18 @@ def fit(
     return trainer
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    # A module trained in this process by fsdp2 (one rank) keeps DTensor parameters: compare their full values.
+    full: torch.Tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return full
+
+
 def assert_same_weights(left: torch.nn.Module, right: torch.nn.Module, atol: float = 1e-6) -> None:
     left_state, right_state = left.state_dict(), right.state_dict()
     assert left_state.keys() == right_state.keys()
     for key, value in left_state.items():
-        assert torch.allclose(value, right_state[key], atol=atol, rtol=0), (
-            f"{key} differs by {(value - right_state[key]).abs().max()}"
-        )
+        value, other = _full(value), _full(right_state[key])
+        assert torch.allclose(value, other, atol=atol, rtol=0), f"{key} differs by {(value - other).abs().max()}"
 
 
 def train_and_save(
@@ -115,20 +120,20 @@ def assert_resume_restores_exactly(
     optimizer: str = "adam",
     cls: type[ConformanceModel] = ConformanceModel,
     resumed_seed: int = 11,
-) -> ConformanceModel:
+    **overrides: Any,
+) -> tuple[Path, Path]:
     """Saved by one strategy, restored by another, saved again before any step: model and optimizer state equal.
 
-    Returns the resumed model, trained on to the end of the second epoch. The run's seed (``resumed_seed``) is
-    not part of the checkpoint and changes the second epoch's losses: pass the saving run's seed (3) to compare the
-    resumed model with an uninterrupted run.
+    ``overrides`` go to both Trainers (e.g. ``accelerator="gpu", devices=1``). The run's seed (``resumed_seed``) is
+    not part of the checkpoint and changes the second epoch's losses. Returns the saved and the re-saved file.
     """
-    saved = train_and_save(saved_by, tmp_path / "saved", optimizer, cls=cls)
+    saved = train_and_save(saved_by, tmp_path / "saved", optimizer, cls=cls, **overrides)
     restored = tmp_path / "restored.ckpt"
     resumed = new_model(optimizer, seed=resumed_seed, cls=cls)
-    fit(resumed_by, resumed, ckpt_path=saved, callbacks=[SaveAfterRestore(restored)])
+    fit(resumed_by, resumed, ckpt_path=saved, callbacks=[SaveAfterRestore(restored)], **overrides)
 
     assert_same_checkpoint_state(saved, restored)
-    return resumed
+    return saved, restored
 
 
 def assert_same_checkpoint_state(expected_path: Path, got_path: Path, atol: float = 0.0) -> None:
@@ -176,13 +181,19 @@ class LossRecorder(pl.Callback):
             (self.directory / "losses.json").write_text(json.dumps(self.losses))
 
 
-def assert_resume_continues_the_run(tmp_path: Path, saved_by: Any, resumed_by: Any, atol: float = 1e-5) -> None:
-    """Resuming with another strategy gives the uninterrupted run's losses (no spike) and final weights."""
+def assert_resume_continues_the_run(
+    tmp_path: Path, saved_by: Any, resumed_by: Any, atol: float = 1e-5, **overrides: Any
+) -> None:
+    """Resuming with another strategy gives the uninterrupted run's losses (no spike) and final weights.
+
+    ``overrides`` go to every Trainer (e.g. ``accelerator="gpu", devices=1``).
+    """
+    overrides = {"max_epochs": 2, **overrides}
     uninterrupted = new_model()
-    fit(saved_by, uninterrupted, callbacks=[LossRecorder(tmp_path / "whole")], max_epochs=2)
-    saved = train_and_save(saved_by, tmp_path / "saved")
+    fit(saved_by, uninterrupted, callbacks=[LossRecorder(tmp_path / "whole")], **overrides)
+    saved = train_and_save(saved_by, tmp_path / "saved", **{**overrides, "max_epochs": 1})
     resumed = new_model()
-    fit(resumed_by, resumed, ckpt_path=saved, callbacks=[LossRecorder(tmp_path / "resumed")], max_epochs=2)
+    fit(resumed_by, resumed, ckpt_path=saved, callbacks=[LossRecorder(tmp_path / "resumed")], **overrides)
 
     whole = json.loads((tmp_path / "whole" / "losses.json").read_text())
     after = json.loads((tmp_path / "resumed" / "losses.json").read_text())

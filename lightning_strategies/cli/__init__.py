@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--devices", type=_positive_int, default=2, help="CPU processes per run (default 2)")
     demo.add_argument("--steps", type=_positive_int, default=8, help="training steps per phase (default 8)")
     demo.add_argument("--out", type=Path, default=Path("demo_out"), help="output directory (default demo_out/)")
-    demo.add_argument("--no-progress", action="store_true", help="hide Lightning's progress bar")
+    demo.add_argument(
+        "--no-progress", action="store_true", help="no progress bar in a terminal (one line per run is still written)"
+    )
     demo.set_defaults(handler=_demo)
 
     inspect = commands.add_parser(

@@ -65,6 +65,7 @@ from .._lightning import (
     pl,
     reset_seed,
 )
+from .._torch_private import abort_process_group
 from .atomic_io import AtomicTorchCheckpointIO
 from .launcher import HAND_BACK_OPTIONS, CanonicalStateLauncher, HandBack
 from .redirection import ForwardRedirection
@@ -312,7 +313,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         if _distributed_is_initialized():
             if torch.distributed.get_backend() == "nccl":
                 # NCCL's graceful shutdown waits for the pending collective, which a dead peer never joins.
-                torch.distributed.distributed_c10d._abort_process_group()
+                abort_process_group()
             else:
                 torch.distributed.destroy_process_group()
         self._stop_started_ranks()

@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torch.distributed._composable.checkpoint_activation import checkpoint as activation_checkpoint
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -42,6 +41,7 @@ from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_ke
 from lightning_strategies.checkpoint.sharded import read_sharded_meta
 
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, pl
+from .._torch_private import composable_activation_checkpoint
 from .base import DirectReferenceStrategy, StartMethod
 from .launcher import HandBack
 from .optimizers import OptimizerNeed, refuse_unsupported_optimizers, step_on_local_shards, steps_on_local_shards
@@ -141,6 +141,12 @@ class FSDP2Strategy(DirectReferenceStrategy):
         self._mixed_precision = mixed_precision or MixedPrecisionPolicy()
         self._cpu_offload = cpu_offload
         self._activation_checkpointing = tuple(activation_checkpointing)
+        if self._activation_checkpointing and composable_activation_checkpoint() is None:
+            raise ValueError(
+                f"activation_checkpointing needs torch.distributed._composable.checkpoint_activation, which torch"
+                f" {torch.__version__} does not have. Leave activation_checkpointing empty and call"
+                " torch.utils.checkpoint.checkpoint in your module's forward, or use torch 2.13 or 2.14."
+            )
         self._state_dict_type = state_dict_type
         self._device_mesh: DeviceMesh | None = None
         self._sharded_directory: Path | None = None
@@ -207,9 +213,10 @@ class FSDP2Strategy(DirectReferenceStrategy):
     def _shard(self, module: pl.LightningModule) -> None:
         if _is_sharded(module):
             return  # sharded by the user in configure_model, or by an earlier run in this process
+        checkpoint = composable_activation_checkpoint()  # present: the constructor refused the option otherwise
         for submodule in module.modules():
-            if self._activation_checkpointing and isinstance(submodule, self._activation_checkpointing):
-                activation_checkpoint(submodule)
+            if checkpoint is not None and isinstance(submodule, self._activation_checkpointing):
+                checkpoint(submodule)
         kwargs = self._shard_kwargs()
         # Post-order (children before their parents), so a parent only takes what its children left unsharded.
         for submodule in reversed(list(module.modules())[1:]):
