@@ -128,11 +128,11 @@ def test_fp16_training_matches_ddp(name: str, devices: int) -> None:
     assert_same_weights(expected, model, atol=TOLERANCE.get(name, 1e-5))
 
 
-@pytest.mark.parametrize("name", list(SHARDED))
+@pytest.mark.parametrize("name", ["ddp_sharded", "fsdp_fairscale", "fsdp2"])
 def test_bf16_autocast_training_matches_ddp(name: str) -> None:
     expected = trained(ddp(), 2, precision="bf16-mixed")
     model = trained(SHARDED[name](), 2, precision="bf16-mixed")
-    assert_same_weights(expected, model, atol=TOLERANCE.get(name, 1e-5))
+    assert_same_weights(expected, model, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["ddp_sharded", "fsdp_fairscale", "fsdp2"])
@@ -191,7 +191,7 @@ def test_a_scaler_of_another_class_is_refused_with_the_fix() -> None:
         pass
 
     plugin = MixedPrecision("16-mixed", "cpu", scaler=OwnScaler("cpu"))
-    with pytest.raises(TypeError, match="torch.amp.GradScaler"):
+    with pytest.raises(TypeError, match=r"Pass a torch\.amp\.GradScaler"):
         fit(ShardedDDPStrategy(), new_model("adam"), devices=1, plugins=[plugin], max_epochs=1)
 
 
@@ -254,7 +254,6 @@ def test_fp16_checkpoints_resume_across_strategies_with_the_scale_restored(
     assert expected["scale"] == 2.0**12 and expected["_growth_tracker"] == 2  # 8 steps: doubled after 3 and 6
     assert _saved_scale(restored) == expected
     assert scales.read(2) == [expected["scale"]] * 2  # on every rank
-
 
 
 @pytest.mark.parametrize("resumed_by", ["fsdp_fairscale", "ddp_sharded"])
