@@ -17,6 +17,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.precision import MixedPrecision
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -186,6 +187,20 @@ def test_the_users_scaler_is_back_after_fit_holding_the_runs_scale() -> None:
     assert users_scaler.get_scale() == 2.0**15  # 16 steps, growth every 3: five doublings from 2**10
 
 
+def test_a_sharded_grad_scaler_of_the_users_is_kept() -> None:
+    users_scaler = ShardedGradScaler("cpu")
+    seen: list[object] = []
+
+    class SeeTheScaler(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            seen.append(trainer.precision_plugin.scaler)
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=users_scaler)
+    fit(ShardedDDPStrategy(), new_model("adam"), devices=1, callbacks=[SeeTheScaler()], plugins=[plugin], max_epochs=1)
+
+    assert seen == [users_scaler]
+
+
 def test_a_scaler_of_another_class_is_refused_with_the_fix() -> None:
     class OwnScaler(torch.amp.GradScaler):
         pass
@@ -256,7 +271,7 @@ def test_fp16_checkpoints_resume_across_strategies_with_the_scale_restored(
     assert scales.read(2) == [expected["scale"]] * 2  # on every rank
 
 
-@pytest.mark.parametrize("resumed_by", ["fsdp_fairscale", "ddp_sharded"])
+@pytest.mark.parametrize("resumed_by", ["ddp_sharded", "fsdp_fairscale", "fsdp2"])
 def test_a_lightning_1_checkpoint_restores_its_native_amp_scaling_state(tmp_path: Path, resumed_by: str) -> None:
     saved = train_and_save(ddp(), tmp_path / "saved", plugins=[fp16(init_scale=2.0**10, growth_interval=3)])
     checkpoint = torch.load(saved, weights_only=True)

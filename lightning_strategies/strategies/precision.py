@@ -92,11 +92,11 @@ def install_agreeing_scaler(plugin: Precision) -> None:
             " torch.amp.GradScaler (the strategy replaces it for the run by one that all-reduces found-inf) or a"
             " subclass of torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler."
         )
-    vars(plugin)["scaler"] = AgreeingGradScaler(scaler)
+    plugin.scaler = AgreeingGradScaler(scaler)  # type: ignore[attr-defined]  # the scaler-holding plugins' attribute
 
 
 def remove_agreeing_scaler(plugin: Precision) -> None:
     """Puts back the scaler that :func:`install_agreeing_scaler` replaced, holding the run's final state."""
-    scaler = vars(plugin).get("scaler")
+    scaler = getattr(plugin, "scaler", None)
     if isinstance(scaler, AgreeingGradScaler):
-        vars(plugin)["scaler"] = scaler.hand_back()
+        plugin.scaler = scaler.hand_back()  # type: ignore[attr-defined]
