@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -46,6 +47,12 @@ def nothing_left_behind() -> Iterator[None]:
     forked workers of later tests would inherit them and take the processes as launched from outside."""
     environment = dict(os.environ)
     yield
+    if os.environ.get("LOCAL_RANK") != environment.get("LOCAL_RANK"):  # a run in this process, not in workers
+        # Its objects that hold the process group in reference cycles (wrappers, sharded optimizers) are collected
+        # here, where the group's gloo threads live: a forked worker of a later test that inherited them would run
+        # the group's destructor itself, join threads it does not have, and hang. (Only then: a full collection
+        # takes about a second.)
+        gc.collect()
     # Workers of a failed run may outlive it (stuck in a collective with a dead peer): they would hold the port and
     # block the interpreter's exit, which joins every child.
     for child in multiprocessing.active_children():

@@ -68,6 +68,7 @@ from .._lightning import (
 from .._torch_private import abort_process_group
 from .atomic_io import AtomicTorchCheckpointIO
 from .launcher import HAND_BACK_OPTIONS, CanonicalStateLauncher, HandBack
+from .precision import install_agreeing_scaler, remove_agreeing_scaler
 from .redirection import ForwardRedirection
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -503,6 +504,9 @@ class DirectReferenceStrategy(ParallelStrategy):
             # gradients torch's clip_grad_norm_ would compute a different norm on every rank, so the plugin instance
             # this strategy owns routes norm clipping to the strategy until teardown.
             vars(self._precision_plugin)["clip_grad_by_norm"] = self.clip_grad_by_norm
+            # Likewise each rank's loss scaler sees only its own gradients: under fp16 it would skip steps and
+            # back off alone (and a rank that skips a sharded optimizer's step leaves the others in its broadcast).
+            install_agreeing_scaler(self._precision_plugin)
 
     @property
     def gradients_are_sharded(self) -> bool:
@@ -528,6 +532,7 @@ class DirectReferenceStrategy(ParallelStrategy):
             vars(trainer._checkpoint_connector).pop("resume_start", None)
         if self._precision_plugin is not None:
             vars(self._precision_plugin).pop("clip_grad_by_norm", None)
+            remove_agreeing_scaler(self._precision_plugin)
         if module is not None:
             self.model = module  # drop the wrapper; the direct reference is all that is left
         super().teardown()

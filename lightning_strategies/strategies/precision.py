@@ -1,0 +1,102 @@
+"""fp16 loss scaling when each rank holds only part of the gradients.
+
+A loss scaler skips the optimizer step and lowers its scale when it finds an inf or NaN in the gradients it checks.
+torch's ``GradScaler`` checks the gradients this process holds. Under data parallel training those are the same on
+every rank, but where gradients are sharded each rank checks only its own part: an overflow in one rank's shard makes
+that rank alone skip the step, the ranks' scales drift apart, and a rank that skips ``OSS.step`` leaves the others
+waiting in its broadcast. The strategy therefore swaps the precision plugin's scaler, for the run, for an
+:class:`AgreeingGradScaler`, which all-reduces the found-inf flag so that every rank makes the same decision.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import GradScaler
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from .._lightning import Precision
+
+# Scalers that decide per process and are replaced for the run (their settings and state carried over).
+_REPLACEABLE: tuple[type[GradScaler], ...] = (GradScaler, torch.cuda.amp.GradScaler)
+
+
+def _already_agreeing(scaler: GradScaler) -> bool:
+    """Whether ``scaler`` all-reduces found-inf across ranks by itself (torch's or fairscale's sharded scalers)."""
+    if isinstance(scaler, ShardedGradScaler):
+        return True
+    try:
+        from fairscale.optim.grad_scaler import ShardedGradScaler as FairScaleShardedGradScaler
+    except ImportError:  # fairscale is optional for fsdp2
+        return False
+    return isinstance(scaler, FairScaleShardedGradScaler)
+
+
+class AgreeingGradScaler(ShardedGradScaler):
+    """A loss scaler whose skip-or-step decision is the same on every rank, standing in for a user's ``GradScaler``.
+
+    torch's ``ShardedGradScaler`` all-reduces the found-inf flag over the default process group after unscaling and
+    accepts fp16 gradients. In addition, an fp16 gradient of an fp32 parameter (fairscale FSDP with
+    ``mixed_precision=True`` leaves those on a single process) becomes an fp32 gradient before it is unscaled: the
+    optimizer steps fp32 parameters with it, and unscaling in fp16 would flush small gradients to zero.
+
+    Args:
+        replaced: The scaler this one stands in for; its settings and state (scale, growth tracker) are taken over
+            now and handed back by :meth:`hand_back`.
+    """
+
+    def __init__(self, replaced: GradScaler) -> None:
+        super().__init__(device=replaced._device, enabled=replaced.is_enabled())
+        self.load_state_dict(replaced.state_dict())
+        self.replaced = replaced
+
+    @override
+    def unscale_(self, optimizer: Optimizer) -> None:
+        if self.is_enabled():
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        grad = param.grad
+                        if grad is not None and grad.dtype != param.dtype and param.dtype.is_floating_point:
+                            param.grad = grad.to(param.dtype)
+        super().unscale_(optimizer)
+
+    def hand_back(self) -> GradScaler:
+        """Returns the replaced scaler, holding this one's state (so a save or run after this one continues it)."""
+        if self.is_enabled():
+            self.replaced.load_state_dict(self.state_dict())
+        return self.replaced
+
+
+def install_agreeing_scaler(plugin: Precision) -> None:
+    """Makes ``plugin`` (the instance the strategy owns) scale losses with an :class:`AgreeingGradScaler`.
+
+    Nothing changes for a plugin without an enabled scaler (32-bit, bf16) or with a scaler that agrees already.
+
+    Args:
+        plugin: The strategy's precision plugin, e.g. Lightning's ``MixedPrecision("16-mixed", ...)``.
+
+    Raises:
+        TypeError: The plugin's scaler is of another class, whose decisions this package cannot make agree.
+    """
+    scaler: Any = getattr(plugin, "scaler", None)
+    if not isinstance(scaler, GradScaler) or not scaler.is_enabled() or _already_agreeing(scaler):
+        return
+    if type(scaler) not in _REPLACEABLE:
+        raise TypeError(
+            f"The precision plugin's loss scaler is a {type(scaler).__qualname__}. With sharded gradients every rank"
+            " must take the same skip-or-step decision, and this scaler's cannot be made to agree. Pass a"
+            " torch.amp.GradScaler (the strategy replaces it for the run by one that all-reduces found-inf) or a"
+            " subclass of torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler."
+        )
+    plugin.scaler = AgreeingGradScaler(scaler)  # type: ignore[attr-defined]  # the scaler-holding plugins' attribute
+
+
+def remove_agreeing_scaler(plugin: Precision) -> None:
+    """Puts back the scaler that :func:`install_agreeing_scaler` replaced, holding the run's final state."""
+    scaler = getattr(plugin, "scaler", None)
+    if isinstance(scaler, AgreeingGradScaler):
+        plugin.scaler = scaler.hand_back()  # type: ignore[attr-defined]
