@@ -271,6 +271,12 @@ def test_fsdp_fairscale_refuses_a_backward_pass_that_skips_a_called_module_and_n
         fit("fsdp_fairscale_fork", seeded(GAN, toggle=False), max_epochs=1)
 
 
+def test_ddp_sharded_refuses_manual_optimization_with_gradient_buckets_and_names_the_option() -> None:
+    strategy = ShardedDDPStrategy(start_method="fork", reduce_buffer_size=2**20)
+    with pytest.raises(Exception, match=r"reduce_buffer_size=0"):
+        fit(strategy, seeded(ManualRegressor), max_epochs=1)
+
+
 @pytest.mark.parametrize(
     ("saved_by", "resumed_by"),
     [

@@ -450,7 +450,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         # inside the root's forward (its backward hooks assert that the forward has ended). The step runs on its own
         # instead, and every module call it makes (`self(...)`, `self.discriminator(x)`) goes through the root's
         # forward: gathered parameters, backward hooks, and parameters that an optimizer step just changed.
-        if self._routing is None or self._routing.module is not module:
+        if self._routing is None or self._routing.lightning_module is not module:
             self._routing = SubmoduleCallRouting(wrapper, module)
         wrapper.training = module.training
         with self._routing.routing():

@@ -145,7 +145,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         # (`self.model(**batch)`, `self.encoder(x)`) has those calls run through the module's own call, so the root's
         # hooks (all-gather, lazy init before any sharded submodule's) run around them too.
         module = self.require_lightning_module()
-        if self._routing is None or self._routing.module is not module:
+        if self._routing is None or self._routing.lightning_module is not module:
             self._routing = SubmoduleCallRouting(module, module)
         called: list[bool] = []
         handle = module.register_forward_pre_hook(lambda *_: called.append(True))

@@ -100,7 +100,7 @@ class SubmoduleCallRouting:
 
     def __init__(self, wrapper: Module, module: Module) -> None:
         self._wrapper = wrapper
-        self.module = module
+        self.lightning_module = module
         self._module_call: Callable[..., Any] = module._call_impl
         self._inside = False
 
@@ -112,9 +112,9 @@ class SubmoduleCallRouting:
         # hooks on a sharded submodule must not run before the root's). Removed again when the step ends.
         patched: list[Module] = []
         try:
-            self._module_call = self.module._call_impl
-            for submodule in self.module.modules():
-                route = self._call_module if submodule is self.module else self._call_submodule
+            self._module_call = self.lightning_module._call_impl
+            for submodule in self.lightning_module.modules():
+                route = self._call_module if submodule is self.lightning_module else self._call_submodule
                 vars(submodule)["_call_impl"] = functools.partial(route, submodule._call_impl)
                 patched.append(submodule)
             yield None
@@ -128,7 +128,7 @@ class SubmoduleCallRouting:
             return call(*args, **kwargs)
         self._inside = True
         try:
-            if self._wrapper is self.module:
+            if self._wrapper is self.lightning_module:
                 return call(*args, **kwargs)  # the module's own call runs the wrapper's hooks
             return self._wrapper(*args, **kwargs)  # the wrapper calls the module back, which then runs as it is
         finally:
@@ -137,7 +137,7 @@ class SubmoduleCallRouting:
     def _call_submodule(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._inside:
             return call(*args, **kwargs)
-        own_attributes = vars(self.module)
+        own_attributes = vars(self.lightning_module)
         had_instance_forward = "forward" in own_attributes
         instance_forward = own_attributes.get("forward")
 
