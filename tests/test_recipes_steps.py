@@ -329,6 +329,15 @@ def test_a_hugging_face_gpt2_step_calling_self_model_trains_as_under_ddp(strateg
     assert_same_weights(model, reference, atol=1e-5)
 
 
+def test_a_hugging_face_gpt2_step_trains_under_fsdp2_with_its_blocks_sharded_apart() -> None:
+    transformers = pytest.importorskip("transformers")
+    reference, model = seeded(HuggingFaceStyle), seeded(HuggingFaceStyle)
+    fit("ddp_fork", reference, max_epochs=1)
+    blocks = {transformers.models.gpt2.modeling_gpt2.GPT2Block}
+    fit(FSDP2Strategy(start_method="fork", shard_module_classes=blocks), model, max_epochs=1)
+    assert_same_weights(model, reference, atol=1e-5)
+
+
 _ALL_GATHERS: list[int] = []  # all-gathers this process ran (each forked rank counts its own)
 
 
@@ -413,6 +422,15 @@ def logged_norms(strategy: Any, **kwargs: Any) -> dict[str, float]:
 def test_grad_norm_logs_the_total_norm_of_ddp(strategy: str) -> None:
     expected = logged_norms("ddp_fork")["grad_2.0_norm_total"]
     assert logged_norms(strategy).get("grad_2.0_norm_total") == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options", [{"auto_wrap_min_params": 50}, {"flatten_parameters": False}], ids=["nested-wrappers", "not-flattened"]
+)
+def test_grad_norm_logs_the_total_norm_of_ddp_with_other_fairscale_layouts(options: dict[str, Any]) -> None:
+    expected = logged_norms("ddp_fork")["grad_2.0_norm_total"]
+    got = logged_norms(FairScaleFSDPStrategy(start_method="fork", **options))
+    assert got.get("grad_2.0_norm_total") == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
