@@ -399,15 +399,21 @@ class OneSubmoduleCall(QuickstartStyle):
         return nn.functional.mse_loss(self.model(inputs), targets)
 
 
-@pytest.mark.parametrize("model_class", [SelfCallStyle, OneSubmoduleCall], ids=["self-call", "self-model-call"])
+@pytest.mark.parametrize(
+    ("model_class", "all_gathers"),
+    [(SelfCallStyle, 1), (OneSubmoduleCall, 1), (QuickstartStyle, 2)],
+    ids=["self-call", "self-model-call", "two-submodule-calls"],
+)
 @pytest.mark.usefixtures("counted_all_gathers")
-def test_fsdp2_runs_one_all_gather_per_step(tmp_path: Path, model_class: type[pl.LightningModule]) -> None:
+def test_fsdp2_all_gathers_once_per_step_and_once_more_per_further_submodule_call(
+    tmp_path: Path, model_class: type[pl.LightningModule], all_gathers: int
+) -> None:
     # The benchmarks' step time relies on it: the root's parameters are gathered once per step, by the step's one
-    # module call, and stay gathered until backward.
+    # module call, and stay gathered until backward. A second call's backward hooks gather them once more.
     fit(FSDP2Strategy(start_method="fork"), seeded(model_class), callbacks=[AllGathersPerStep(tmp_path)], max_epochs=1)
     for rank in range(2):
         counts = (tmp_path / f"rank{rank}.txt").read_text().split(",")
-        assert counts == ["1"] * 4, counts
+        assert counts == [str(all_gathers)] * 4, counts
 
 
 # ---------------------------------------------------------------------------------------------- gradient logging

@@ -543,6 +543,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         # The layouts stay until the next setup: after an in-place fit the optimizers still hold flat shards, and
         # `trainer.save_checkpoint` after `fit` gathers them into canonical state through these layouts.
         self._units, self._original_children = [], []
+        self._routing = None  # it holds the root wrapper, which the run no longer needs
         if self._cpu_patched:
             fairscale_cpu.uninstall()
             self._cpu_patched = False

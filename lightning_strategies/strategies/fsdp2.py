@@ -246,6 +246,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
     def teardown(self) -> None:
         super().teardown()
         self._device_mesh = None
+        self._routing = None
 
     # ------------------------------------------------------------------ model state
 
