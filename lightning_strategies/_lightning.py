@@ -43,7 +43,9 @@ if TYPE_CHECKING:
     from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
     from pytorch_lightning.strategies.parallel import ParallelStrategy
     from pytorch_lightning.strategies.strategy import TBroadcast
+    from pytorch_lightning.trainer import call as _trainer_call
     from pytorch_lightning.trainer.states import TrainerFn
+    from pytorch_lightning.utilities.model_helpers import is_overridden
     from pytorch_lightning.utilities.types import LRSchedulerConfig
 else:
     pl = importlib.import_module(FLAVOUR.pytorch)
@@ -74,6 +76,8 @@ else:
     ParallelStrategy = _load(_PYTORCH, "strategies.parallel", "ParallelStrategy")
     TBroadcast = _load(_PYTORCH, "strategies.strategy", "TBroadcast")
     TrainerFn = _load(_PYTORCH, "trainer.states", "TrainerFn")
+    _trainer_call = importlib.import_module(f"{_PYTORCH}.trainer.call")
+    is_overridden = _load(_PYTORCH, "utilities.model_helpers", "is_overridden")
     LRSchedulerConfig = _load(_PYTORCH, "utilities.types", "LRSchedulerConfig")
 
 __all__ = [
@@ -102,6 +106,8 @@ __all__ = [
     "_optimizers_to_device",
     "_sync_ddp_if_available",
     "_sync_module_states",
+    "_trainer_call",
+    "is_overridden",
     "pl",
     "reset_seed",
 ]

@@ -209,18 +209,21 @@ def test_a_sharded_checkpoint_saved_by_one_process_resumes_on_two(tmp_path: Path
     assert list(restored["state_dict"]) == list(ConformanceModel().state_dict())
 
 
-class _StepBypassingTheModule(ConformanceModel):
+class _StepUsingParametersWithoutCallingAModule(ConformanceModel):
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
-        return torch.nn.functional.mse_loss(self.head(torch.tanh(self.encoder(inputs))), targets)
+        hidden = torch.tanh(inputs @ self.encoder.weight.T + self.encoder.bias)
+        return torch.nn.functional.mse_loss(self.head(hidden), targets)
 
 
 @pytest.mark.parametrize(
     "options", [{}, {"shard_module_classes": {torch.nn.Linear}}], ids=["root-only", "submodules-sharded"]
 )
-def test_a_step_that_never_calls_the_module_fails_with_the_fix(options: dict[str, Any]) -> None:
-    # Steps are called directly (the step's own `self(...)` runs FSDP's hooks once); a step that bypasses the module
-    # must say so, not fail inside a DTensor operator or leave FSDP without its root.
+def test_a_step_that_uses_parameters_without_calling_their_module_fails_with_the_fix(options: dict[str, Any]) -> None:
+    # Steps are called directly and module calls they make run FSDP's hooks; a step that computes with a module's
+    # parameters without calling the module must say so, not fail inside a DTensor operator.
     strategy = FSDP2Strategy(start_method="fork", **options)
-    with pytest.raises(Exception, match=r"training_step did not call the LightningModule.*Call `self\(\.\.\.\)`"):
-        fit(strategy, new_model(cls=_StepBypassingTheModule), max_epochs=1)
+    with pytest.raises(
+        Exception, match=r"training_step computed with the LightningModule's parameters.*`self\(\.\.\.\)`"
+    ):
+        fit(strategy, new_model(cls=_StepUsingParametersWithoutCallingAModule), max_epochs=1)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -62,6 +62,8 @@ from .._lightning import (
     _SubprocessScriptLauncher,
     _sync_ddp_if_available,
     _sync_module_states,
+    _trainer_call,
+    is_overridden,
     pl,
     reset_seed,
 )
@@ -507,6 +509,40 @@ class DirectReferenceStrategy(ParallelStrategy):
             # Likewise each rank's loss scaler sees only its own gradients: under fp16 it would skip steps and
             # back off alone (and a rank that skips a sharded optimizer's step leaves the others in its broadcast).
             install_agreeing_scaler(self._precision_plugin)
+        if self._precision_plugin is not None and self._completes_gradients():
+            # Lightning calls `on_before_optimizer_step` (where its docs compute `grad_norm(self)`) from the plugin,
+            # and offers strategies no hook around it: the plugin instance this strategy owns runs the hooks inside
+            # `complete_gradients()` until teardown, and only when a hook is overridden (no collective otherwise).
+            vars(self._precision_plugin)["_after_closure"] = self._after_closure
+
+    def _completes_gradients(self) -> bool:
+        return type(self).complete_gradients is not DirectReferenceStrategy.complete_gradients
+
+    @contextmanager
+    def complete_gradients(self) -> Generator[None, None, None]:
+        """Within the block, the LightningModule's parameters hold their complete gradients on every rank, as in ddp.
+
+        ``on_before_optimizer_step`` runs inside it when the LightningModule or a callback overrides that hook, so
+        ``pytorch_lightning.utilities.grad_norm(self, norm_type)`` there logs what it logs under ``ddp``. Changes the
+        block makes to gradients in place are kept. Every rank must enter it (it may run collectives). The default
+        strategy holds whole gradients already and does nothing.
+        """
+        yield None
+
+    def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
+        """Replaces the precision plugin's ``_after_closure``: the same hooks and clipping, the hooks inside
+        :meth:`complete_gradients` (clipping stays outside: it acts on the sharded gradients that step)."""
+        trainer = model.trainer
+        callbacks: list[pl.Callback] = getattr(trainer, "callbacks", [])
+        hooked = is_overridden("on_before_optimizer_step", model, pl.LightningModule) or any(
+            is_overridden("on_before_optimizer_step", callback, pl.Callback) for callback in callbacks
+        )
+        with self.complete_gradients() if hooked else nullcontext():
+            _trainer_call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+            _trainer_call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        self.precision_plugin._clip_gradients(
+            model, optimizer, trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm
+        )
 
     @property
     def gradients_are_sharded(self) -> bool:
@@ -533,6 +569,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         if self._precision_plugin is not None:
             vars(self._precision_plugin).pop("clip_grad_by_norm", None)
             remove_agreeing_scaler(self._precision_plugin)
+            vars(self._precision_plugin).pop("_after_closure", None)
         if module is not None:
             self.model = module  # drop the wrapper; the direct reference is all that is left
         super().teardown()

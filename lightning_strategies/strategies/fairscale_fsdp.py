@@ -48,8 +48,10 @@ from lightning_strategies.checkpoint.sharded import (
 
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl
 from .base import DirectReferenceStrategy, StartMethod
+from .full_gradients import FairScaleUnitView, full_fairscale_parameters
 from .launcher import CanonicalStateLauncher, HandBack
 from .optimizers import OptimizerNeed, refuse_unsupported_optimizers, retarget_schedulers, twin_optimizer
+from .redirection import SubmoduleCallRouting
 
 FSDP = FullyShardedDataParallel
 
@@ -179,6 +181,29 @@ def _units(root: FSDP) -> list[_Unit]:
                 shapes = [torch.Size(getattr(param, "_orig_size"))]  # noqa: B009
             units.append(_Unit(param, names[id(param)], shapes, instance))
     return units
+
+
+def _unit_view(unit: _Unit) -> FairScaleUnitView:
+    """What the full-gradients context needs of a unit: where its original parameters live on their modules."""
+    param = unit.param
+    owners: list[tuple[Module, str]] = []
+    shared: list[tuple[Module, str, int]] = []
+    if isinstance(param, FlatParameter):
+        owners = [(owner, name) for _, owner, name in param._param_infos]
+        position = {(id(owner), name): index for index, (owner, name) in enumerate(owners)}
+        for _, _, owner, name, source, source_name in param._shared_param_infos:
+            shared.append((owner, name, position[(id(source), source_name)]))
+    instance = unit.instance
+    return FairScaleUnitView(
+        param,
+        unit.shapes,
+        owners,
+        shared,
+        rank=instance.rank,
+        world_size=instance.world_size,
+        group=instance.process_group,
+        flat=isinstance(param, FlatParameter),
+    )
 
 
 @dataclass
@@ -327,6 +352,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._loaded_sharded = False
         self._original_children: list[tuple[Module, str, Module]] = []
         self._state_key_order: list[str] = []
+        self._routing: SubmoduleCallRouting | None = None
 
     @classmethod
     @override
@@ -433,6 +459,49 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             raise RuntimeError("FairScaleFSDPStrategy has no FSDP root yet: it is created in Trainer.fit/validate.")
         return self.model
 
+    @override
+    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        module = self.require_lightning_module()
+        wrapper = self.model
+        if method_name != "training_step" or module.automatic_optimization or not isinstance(wrapper, FSDP):
+            return super()._step(method_name, *args, **kwargs)
+        # Manual optimization runs backward (and optimizer steps) inside the step, which fairscale does not allow
+        # inside the root's forward (its backward hooks assert that the forward has ended). The step runs on its own
+        # instead, and every module call it makes (`self(...)`, `self.discriminator(x)`) goes through the root's
+        # forward: gathered parameters, backward hooks, and parameters that an optimizer step just changed.
+        if self._routing is None or self._routing.lightning_module is not module:
+            self._routing = SubmoduleCallRouting(wrapper, module)
+        wrapper.training = module.training
+        with self._routing.routing():
+            return getattr(module, method_name)(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except ValueError as error:
+            module = self.lightning_module
+            if module is None or module.automatic_optimization or "expected to be in states" not in str(error):
+                raise
+            raise RuntimeError(
+                "FairScaleFSDPStrategy: a backward pass in this manual-optimization step left parameters that require"
+                " gradients without one, although a module holding them was called (e.g. a GAN's generator, whose"
+                " output the discriminator's loss detaches). fairscale FSDP cannot finish such a backward pass. Call"
+                " `self.toggle_optimizer(optimizer)` before each optimizer's forward and backward and"
+                " `self.untoggle_optimizer(optimizer)` after its step, as Lightning's manual-optimization docs do, so"
+                " the other optimizer's parameters do not require gradients meanwhile."
+            ) from error
+
+    @contextmanager
+    @override
+    def complete_gradients(self) -> Generator[None, None, None]:
+        # Flattening took the original parameters off their modules: they come back, full, with full gradients.
+        if not isinstance(self.model, FSDP):
+            yield None
+            return
+        with full_fairscale_parameters([_unit_view(unit) for unit in self._units]):
+            yield None
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -493,6 +562,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         # The layouts stay until the next setup: after an in-place fit the optimizers still hold flat shards, and
         # `trainer.save_checkpoint` after `fit` gathers them into canonical state through these layouts.
         self._units, self._original_children = [], []
+        self._routing = None  # it holds the root wrapper, which the run no longer needs
         if self._cpu_patched:
             fairscale_cpu.uninstall()
             self._cpu_patched = False

@@ -43,8 +43,10 @@ from lightning_strategies.checkpoint.sharded import read_sharded_meta
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, pl
 from .._torch_private import composable_activation_checkpoint
 from .base import DirectReferenceStrategy, StartMethod
+from .full_gradients import full_dtensor_gradients
 from .launcher import HandBack
 from .optimizers import OptimizerNeed, refuse_unsupported_optimizers, step_on_local_shards, steps_on_local_shards
+from .redirection import SubmoduleCallRouting
 
 # What fully_shard's DTensor shards take away from an optimizer's math (see optimizers.OptimizerNeed).
 _REFUSED_OPTIMIZER_NEEDS = {
@@ -150,6 +152,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         self._state_dict_type = state_dict_type
         self._device_mesh: DeviceMesh | None = None
         self._sharded_directory: Path | None = None
+        self._routing: SubmoduleCallRouting | None = None
 
     # ------------------------------------------------------------------ environment and sharding
 
@@ -164,13 +167,17 @@ class FSDP2Strategy(DirectReferenceStrategy):
     def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         # Steps are called directly and their own `self(...)` runs FSDP's hooks once. (Calling them through the
         # module's `__call__` instead re-enters the hooks when the step calls `self(...)`: the nested post-forward
-        # leaves the root's parameters resharded, one more all-gather per step.) FSDP2 needs the root's forward to
-        # run in every step, so a step that never calls the module is refused.
+        # leaves the root's parameters resharded, one more all-gather per step.) A step that calls submodules instead
+        # (`self.model(**batch)`, `self.encoder(x)`) has those calls run through the module's own call, so the root's
+        # hooks (all-gather, lazy init before any sharded submodule's) run around them too.
         module = self.require_lightning_module()
+        if self._routing is None or self._routing.lightning_module is not module:
+            self._routing = SubmoduleCallRouting(module, module)
         called: list[bool] = []
         handle = module.register_forward_pre_hook(lambda *_: called.append(True))
         try:
-            output = super()._step(method_name, *args, **kwargs)
+            with self._routing.routing():
+                output = getattr(module, method_name)(*args, **kwargs)
         except RuntimeError as error:
             if "mixed torch.Tensor and DTensor" not in str(error):
                 raise
@@ -183,10 +190,10 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     def _step_bypassed_the_module(self, method_name: str) -> str:
         return (
-            f"{type(self).__name__}: {method_name} did not call the LightningModule (`self(...)`), so FSDP's hooks on"
-            " it never ran: its parameters stay sharded and the submodules' sharding has no root. Call `self(...)`"
-            f" in {method_name} (the module's forward, which may call any submodule) instead of calling submodules"
-            " or `self.forward` directly."
+            f"{type(self).__name__}: {method_name} computed with the LightningModule's parameters without calling the"
+            " module or any of its submodules, so FSDP's hooks never ran: the parameters stay sharded. Call"
+            f" `self(...)` or the submodule (`self.encoder(x)`) in {method_name} instead of using its parameters"
+            " directly (`x @ self.encoder.weight`) or calling `forward` methods."
         )
 
     def _shard_kwargs(self) -> dict[str, Any]:
@@ -259,10 +266,18 @@ class FSDP2Strategy(DirectReferenceStrategy):
         finally:
             module.set_requires_gradient_sync(True)
 
+    @contextmanager
+    @override
+    def complete_gradients(self) -> Generator[None, None, None]:
+        # Gradients are DTensor shards: each becomes one full plain tensor for the block.
+        with full_dtensor_gradients(self.require_lightning_module().parameters()):
+            yield None
+
     @override
     def teardown(self) -> None:
         super().teardown()
         self._device_mesh = None
+        self._routing = None
 
     # ------------------------------------------------------------------ model state
 
