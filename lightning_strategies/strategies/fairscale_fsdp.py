@@ -255,6 +255,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         auto_wrap_min_params: Submodules with at least this many parameters get their own FSDP; ``None`` wraps only
             the root. Ignored when ``configure_model`` already wrapped submodules.
         state_dict_type: ``"full"`` (one canonical file) or ``"sharded"`` (a directory, one file per rank).
+        broadcast_buffers: Give every rank global rank 0's buffers that change in training (BatchNorm running
+            statistics) before each forward, as ``ddp`` does; ``False`` keeps each rank's own (no collective).
         **fsdp_kwargs: Passed to every ``FullyShardedDataParallel``: ``flatten_parameters``,
             ``reshard_after_forward``, ``mixed_precision``, ``compute_dtype``, ``fp32_reduce_scatter``,
             ``bucket_cap_mb``, ``cpu_offload``, ``move_grads_to_cpu``, ``state_dict_on_rank_0_only`` (default
@@ -279,6 +281,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         start_method: StartMethod = "popen",
         auto_wrap_min_params: int | None = 100_000_000,
         state_dict_type: Literal["full", "sharded"] = "full",
+        broadcast_buffers: bool = True,
         **fsdp_kwargs: Any,
     ) -> None:
         unknown = sorted(set(fsdp_kwargs) - FSDP_KWARGS)
@@ -303,6 +306,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._fsdp_kwargs = {"state_dict_on_rank_0_only": True, **fsdp_kwargs}
         self._auto_wrap_min_params = auto_wrap_min_params
         self._state_dict_type = state_dict_type
+        self._broadcast_buffers = broadcast_buffers
         self._cpu_patched = False
         self._units: list[_Unit] = []
         self._layouts: dict[int, _Layout] = {}
