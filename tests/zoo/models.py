@@ -101,8 +101,8 @@ class ZooModule(pl.LightningModule):
         data_seed: Seed of the synthetic training data (validation uses ``data_seed + 1``).
     """
 
-    #: Short name used in test ids, failure messages and the docs table.
-    zoo_name = "zoo"
+    #: The architecture and training recipe in one line, for the docs table.
+    recipe = ""
 
     def __init__(self, data_seed: int = 0) -> None:
         super().__init__()
@@ -137,7 +137,7 @@ class ZooModule(pl.LightningModule):
 class GPT2Module(ZooModule):
     """GPT-2 (tied ``wte``/``lm_head``), AdamW with no-decay groups, linear warmup then decay."""
 
-    zoo_name = "gpt2"
+    recipe = "GPT-2, tied embeddings; AdamW with no-decay groups, linear warmup"
 
     def build(self) -> nn.Module:
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -162,7 +162,7 @@ class GPT2Module(ZooModule):
 class LlamaModule(ZooModule):
     """Llama (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head), AdamW and a cosine schedule."""
 
-    zoo_name = "llama"
+    recipe = "Llama: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head; AdamW, cosine schedule"
 
     def build(self) -> nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -188,7 +188,7 @@ class BertModule(ZooModule):
     """BERT masked LM (decoder tied to the word embeddings, non-persistent ``position_ids``/``token_type_ids``
     buffers, two segments), AdamW with no-decay groups and linear warmup: the ``run_mlm`` recipe."""
 
-    zoo_name = "bert"
+    recipe = "BERT masked LM, tied decoder, non-persistent buffers, token_type_ids; AdamW with no-decay groups, warmup"
 
     def build(self) -> nn.Module:
         from transformers import BertConfig, BertForMaskedLM
@@ -214,7 +214,7 @@ class BertModule(ZooModule):
 class ViTModule(ZooModule):
     """ViT image classification, AdamW and torch's cosine annealing per step."""
 
-    zoo_name = "vit"
+    recipe = "ViT classifier; AdamW, cosine annealing"
 
     def build(self) -> nn.Module:
         from transformers import ViTConfig, ViTForImageClassification
@@ -237,7 +237,7 @@ class ViTModule(ZooModule):
 class ResNetModule(ZooModule):
     """ResNet (BatchNorm running statistics), SGD with Nesterov momentum and weight decay, MultiStepLR per epoch."""
 
-    zoo_name = "resnet"
+    recipe = "ResNet with BatchNorm; SGD with Nesterov momentum, MultiStepLR"
 
     def build(self) -> nn.Module:
         from transformers import ResNetConfig, ResNetForImageClassification
