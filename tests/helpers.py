@@ -47,11 +47,17 @@ def assert_same_weights(left: torch.nn.Module, right: torch.nn.Module, atol: flo
         )
 
 
-def train_and_save(strategy: Any, directory: Path, optimizer: str = "adam", **overrides: Any) -> Path:
-    """Trains one epoch and returns the path of the checkpoint written at its end."""
+def train_and_save(
+    strategy: Any,
+    directory: Path,
+    optimizer: str = "adam",
+    model: type[ConformanceModel] = ConformanceModel,
+    **overrides: Any,
+) -> Path:
+    """Trains one epoch (of ``model``, a ConformanceModel class) and returns the path of the checkpoint at its end."""
     checkpoints = ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)
     overrides = {"max_epochs": 1, "enable_checkpointing": True, **overrides}
-    fit(strategy, new_model(optimizer), callbacks=[checkpoints], **overrides)
+    fit(strategy, new_model(optimizer, cls=model), callbacks=[checkpoints], **overrides)
     return directory / "epoch=0.ckpt"
 
 

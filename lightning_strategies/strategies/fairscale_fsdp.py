@@ -39,6 +39,7 @@ from lightning_strategies.checkpoint import (
     to_cpu_state,
 )
 from lightning_strategies.checkpoint.flat import gather_full, local_shard, split_full
+from lightning_strategies.checkpoint.model_state import tied_parameter_aliases
 from lightning_strategies.checkpoint.sharded import (
     SHARDED_LAYOUT_KEY,
     SHARDED_LAYOUT_VERSION,
@@ -313,6 +314,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._loaded_sharded = False
         self._original_children: list[tuple[Module, str, Module]] = []
         self._state_key_order: list[str] = []
+        self._tied_aliases: tuple[tuple[str, str], ...] = ()  # (alias, holder) names of tied parameters
 
     @classmethod
     @override
@@ -363,6 +365,10 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         user_wrapped = any(isinstance(child, FSDP) for child in module.modules())
         # The order of the plain module's state_dict, for the canonical state gathered unit by unit (references only).
         self._state_key_order = [] if user_wrapped else list(module.state_dict(keep_vars=True))
+        # Flat parameters hold a tied parameter once: its other names go into the sharded layout for consolidate.
+        self._tied_aliases = tuple(
+            (_canonical(alias), _canonical(holder)) for alias, holder in tied_parameter_aliases(module).items()
+        )
         if not user_wrapped and self._auto_wrap_min_params is not None:
             policy = functools.partial(default_auto_wrap_policy, min_num_params=self._auto_wrap_min_params)
             with enable_wrap(wrapper_cls=FSDP, **kwargs):
@@ -638,7 +644,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
 
         ``units``: the flat shards in ``local_state_dict()`` (its key, the canonical names and shapes it holds, the
         size of its process group); ``optimizers``: for each optimizer, the canonical names of each param group and
-        which unit each index of its flat state is.
+        which unit each index of its flat state is; ``aliases``: the other names of tied parameters, each mapped to
+        the name a unit holds it under.
         """
         key_of = {id(param): _canonical(name) for name, param in self._root().named_parameters()}
         position = {id(unit.param): index for index, unit in enumerate(self._units)}
@@ -666,6 +673,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             "world_size": self.world_size,
             "units": units,
             "optimizers": optimizers,
+            "aliases": dict(self._tied_aliases),
         }
 
     @override
