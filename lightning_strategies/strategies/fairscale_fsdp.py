@@ -314,7 +314,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._loaded_sharded = False
         self._original_children: list[tuple[Module, str, Module]] = []
         self._state_key_order: list[str] = []
-        self._tied_aliases: tuple[tuple[str, str], ...] = ()  # (alias, holder) names of tied parameters
+        self._aliases: dict[str, str] = {}  # the other names of tied parameters -> the name a unit holds them under
 
     @classmethod
     @override
@@ -366,9 +366,9 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         # The order of the plain module's state_dict, for the canonical state gathered unit by unit (references only).
         self._state_key_order = [] if user_wrapped else list(module.state_dict(keep_vars=True))
         # Flat parameters hold a tied parameter once: its other names go into the sharded layout for consolidate.
-        self._tied_aliases = tuple(
-            (_canonical(alias), _canonical(holder)) for alias, holder in tied_parameter_aliases(module).items()
-        )
+        self._aliases = {
+            _canonical(alias): _canonical(holder) for alias, holder in tied_parameter_aliases(module).items()
+        }
         if not user_wrapped and self._auto_wrap_min_params is not None:
             policy = functools.partial(default_auto_wrap_policy, min_num_params=self._auto_wrap_min_params)
             with enable_wrap(wrapper_cls=FSDP, **kwargs):
@@ -673,7 +673,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             "world_size": self.world_size,
             "units": units,
             "optimizers": optimizers,
-            "aliases": dict(self._tied_aliases),
+            "aliases": dict(self._aliases),
         }
 
     @override

@@ -20,6 +20,7 @@ whole zoo and writes its tables into the resume-matrix page.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -139,11 +140,12 @@ class ModelReport:
         ]
 
     def explain(self, failures: Iterable[Failure]) -> str:
+        """One line per failure, for an assertion message."""
         return "\n".join(str(failure) for failure in failures)
 
     def table(self) -> str:
         """A Markdown table: one row per saving strategy; its fit, each resume, and the file checks."""
-        columns = [label for label in self.strategies]
+        columns = list(self.strategies)
         header = (
             f"| {self.model.name}: saved by \\ resumed by | fit | "
             + " | ".join(columns)
@@ -195,6 +197,8 @@ class MetricRecorder(pl.Callback):
 
 @dataclass
 class Metrics:
+    """What a :class:`MetricRecorder` wrote: ``train_loss`` by global step, ``val_loss`` by epoch."""
+
     train: dict[int, float]
     val: dict[int, float]
 
@@ -236,8 +240,10 @@ def _fit(
 
 
 def _reason(error: BaseException) -> str:
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[-1][:240] if lines else ''}"
+    """The error's last line; a worker's error (``ProcessRaisedException`` carries its traceback) as the worker's."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    last = lines[-1][:240] if lines else ""
+    return last if re.match(r"^[\w.]+(Error|Exception)\b", last) else f"{type(error).__name__}: {last}"
 
 
 def _load(path: Path) -> dict[str, Any]:
