@@ -125,7 +125,7 @@ class ModelReport:
     saved: list[str] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
     seconds: float = 0.0
-    fits: int = 0
+    fits: int = 0  # Trainer.fit calls, failed ones included
 
     def fail(self, strategy: str, check: int, message: str, resumed_by: str | None = None) -> None:
         self.failures.append(Failure(self.model.name, strategy, check, message, resumed_by))
@@ -423,9 +423,9 @@ def run_model(
     first_steps = range(1, STEPS_PER_EPOCH + 1)
 
     whole_dir = workdir / reference.label / "whole"
+    report.fits += 1
     try:
         whole = _fit(model, reference.factory(model), whole_dir, epochs=EPOCHS)
-        report.fits += 1
     except Exception as error:
         for label in saver_labels:
             report.fail(label, 1, f"the uninterrupted ddp control run raised {_reason(error)}")
@@ -438,9 +438,9 @@ def run_model(
         if label == reference.label:
             continue
         directory = workdir / label / "first-epoch"
+        report.fits += 1
         try:
             first = _fit(model, by_label[label].factory(model), directory, epochs=1)
-            report.fits += 1
         except Exception as error:
             report.fail(label, 1, f"fit raised {_reason(error)}")
             continue
@@ -467,6 +467,7 @@ def run_model(
                 continue
             cell_dir = workdir / label / f"resumed-by-{resumer.label}"
             restored_path = cell_dir / "restored.ckpt"
+            report.fits += 1
             try:
                 resumed = _fit(
                     model,
@@ -476,7 +477,6 @@ def run_model(
                     ckpt_path=path,
                     callbacks=[SaveAfterRestore(restored_path)],
                 )
-                report.fits += 1
             except Exception as error:
                 report.fail(label, 2, f"resume raised {_reason(error)}", resumer.label)
                 continue
