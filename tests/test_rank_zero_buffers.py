@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy, ShardedDDPStrategy
 from lightning_strategies.testing import make_dataset
-from tests.helpers import RankRecorder, fit
+from tests.helpers import RankRecorder, fit, new_model
 
 STRATEGIES: dict[str, Any] = {
     "ddp_sharded": lambda **options: ShardedDDPStrategy(start_method="fork", **options),
@@ -139,3 +139,14 @@ def test_only_buffers_that_change_in_training_are_broadcast(tmp_path: Path, name
 
     expected = ["BatchNorm1d.num_batches_tracked", "BatchNorm1d.running_mean", "BatchNorm1d.running_var"]
     assert broadcast == [expected, expected]  # the constant `scale` never travels
+
+
+@pytest.mark.parametrize("name", ["fsdp_fairscale", "fsdp2"])
+def test_a_model_whose_buffers_never_change_broadcasts_nothing(tmp_path: Path, name: str) -> None:
+    def changing(trainer: pl.Trainer, module: pl.LightningModule) -> int:
+        return len(trainer.strategy._rank_zero_buffers._changing or [])
+
+    recorder = RankRecorder(tmp_path, "on_train_end", changing)
+    fit(STRATEGIES[name](), new_model(), callbacks=[recorder], max_epochs=1)  # its `output_scale` buffer is constant
+
+    assert recorder.read() == [0, 0]
