@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy
 from lightning_strategies.cli import main
-from lightning_strategies.testing import SaveAfterRestore
+from lightning_strategies.testing import ConformanceModel, SaveAfterRestore
 from tests.conftest import free_loopback_port
 from tests.helpers import comparable_optimizer_state, fit, new_model, train_and_save
 
@@ -120,6 +121,31 @@ def test_inspect_flags_a_rank_file_given_alone(saved: dict[str, Path], capsys: p
     assert main(["inspect", str(saved["fairscale_sharded"] / "rank0.pt")]) == 1
     out = capsys.readouterr().out
     assert "rank-file" in out and "flat-shard" in out
+
+
+class TiedHeadModel(ConformanceModel):
+    """The conformance model with a second head that shares the first one's weight (as ``lm_head`` shares ``wte``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.second_head = nn.Linear(16, 4)
+        self.second_head.weight = self.head.weight
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def test_a_tied_weight_is_consolidated_under_each_of_its_names_with_its_shape(tmp_path: Path) -> None:
+    sharded = train_and_save(
+        FairScaleFSDPStrategy(start_method="fork", state_dict_type="sharded"), tmp_path, model=TiedHeadModel
+    )
+    out = tmp_path / "consolidated.ckpt"
+
+    assert main(["consolidate", str(sharded), str(out), "--no-progress"]) == 0
+    state = _load(out)["state_dict"]
+    expected = TiedHeadModel().state_dict()
+    assert {key: value.shape for key, value in state.items()} == {key: value.shape for key, value in expected.items()}
+    assert torch.equal(state["second_head.weight"], state["head.weight"])
 
 
 def test_consolidate_refuses_a_directory_without_meta(

@@ -39,6 +39,26 @@ def strip_wrapper_segments(name: str, segments: tuple[str, ...]) -> str:
     return ".".join(part for part in name.split(".") if part not in segments)
 
 
+def tied_parameter_aliases(module: Module) -> dict[str, str]:
+    """The second and further names of parameters registered under several names (tied weights), each mapped to the
+    first name, the one ``named_parameters()`` and optimizers count it under.
+
+    Args:
+        module: The unwrapped module (its names are the canonical keys).
+
+    Returns:
+        ``{alias: holder}``, e.g. ``{"lm_head.weight": "transformer.wte.weight"}``; empty when nothing is tied.
+    """
+    holder_of: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in holder_of:
+            aliases[name] = holder_of[id(param)]
+        else:
+            holder_of[id(param)] = name
+    return aliases
+
+
 _LISTED = 10  # names shown per category in an error message; the rest are counted
 
 

@@ -112,7 +112,9 @@ def _fairscale(directory: Path, world_size: int, show_progress: bool) -> tuple[d
                 " process group smaller than the world); consolidate supports world-sharded parameters only."
             )
     unit_keys = {unit["key"] for unit in units}
-    buffers = [key for key in shards[0]["state_dict"] if key not in unit_keys]
+    # A tied parameter is held once, under its first name; its other names are written with the same tensor.
+    aliases: dict[str, str] = dict(layout.get("aliases", {}))
+    buffers = [key for key in shards[0]["state_dict"] if key not in unit_keys and key not in aliases]
     optimizer_layouts = layout["optimizers"]
     rank_optimizer_states = [shard.get("optimizer_states", []) for shard in shards]
     optimizer_total = sum(
@@ -129,6 +131,10 @@ def _fairscale(directory: Path, world_size: int, show_progress: bool) -> tuple[d
             parts = _cut(pieces, unit["shapes"], f"model tensor {unit['key']!r}")
             state.update(zip(unit["names"], parts, strict=True))
             bar.advance(len(parts))
+        for alias, holder in aliases.items():
+            if holder not in state:
+                raise CommandError(f"{directory}: the tied parameter {alias!r} names {holder!r}, which no unit holds.")
+            state[alias] = state[holder]
         for key in buffers:
             value = shards[0]["state_dict"][key]
             state[strip_wrapper_segments(key, INNER_WRAPPER_SEGMENTS)] = (

@@ -69,6 +69,7 @@ from .._lightning import (
 )
 from .._torch_private import abort_process_group
 from .atomic_io import AtomicTorchCheckpointIO
+from .buffers import RankZeroBuffers
 from .launcher import HAND_BACK_OPTIONS, CanonicalStateLauncher, HandBack
 from .precision import install_agreeing_scaler, remove_agreeing_scaler
 from .redirection import ForwardRedirection
@@ -153,6 +154,9 @@ class DirectReferenceStrategy(ParallelStrategy):
 
     #: Registry name, also written into each checkpoint's metadata block.
     strategy_name: ClassVar[str] = "direct_reference"
+    #: Whether steps broadcast rank 0's changing buffers first (see :class:`RankZeroBuffers`); set by subclasses
+    #: whose wrapper does not.
+    _broadcast_buffers: bool = False
 
     def __init__(
         self,
@@ -184,6 +188,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         self._checkpoint_source = "the checkpoint"
         self._failure_timeout: float | None = None
         self._failed = False
+        self._rank_zero_buffers = RankZeroBuffers(enabled=self._broadcast_buffers)
 
     @property
     @override
@@ -472,6 +477,8 @@ class DirectReferenceStrategy(ParallelStrategy):
         self.precision_plugin.convert_module(module)
         self.model_to_device()
         if fitting:
+            # Strategies whose wrapper keeps each rank's own buffers set `_broadcast_buffers` (ddp's semantics).
+            self._rank_zero_buffers = RankZeroBuffers(enabled=self._broadcast_buffers)
             self.configure_for_fit(trainer)
         else:
             self.configure_for_evaluation(trainer)
@@ -584,14 +591,19 @@ class DirectReferenceStrategy(ParallelStrategy):
 
     def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         module = self.require_lightning_module()
+        training = method_name == "training_step"
+        self._rank_zero_buffers.before_step(module, training)
         wrapper = self.model
         if wrapper is None or wrapper is module:
-            return getattr(module, method_name)(*args, **kwargs)
-        # After validation Lightning restores train mode on the LightningModule's submodules only; the wrapper
-        # around it would stay in eval mode, and ShardedDataParallel, for one, then silently stops reducing
-        # gradients. The wrapper's own flag follows the module's (its children are the module's own).
-        wrapper.training = module.training
-        return self._redirect(wrapper, module, method_name, *args, **kwargs)
+            output = getattr(module, method_name)(*args, **kwargs)
+        else:
+            # After validation Lightning restores train mode on the LightningModule's submodules only; the wrapper
+            # around it would stay in eval mode, and ShardedDataParallel, for one, then silently stops reducing
+            # gradients. The wrapper's own flag follows the module's (its children are the module's own).
+            wrapper.training = module.training
+            output = self._redirect(wrapper, module, method_name, *args, **kwargs)
+        self._rank_zero_buffers.after_step(module, training)
+        return output
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

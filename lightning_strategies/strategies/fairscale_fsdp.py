@@ -39,6 +39,7 @@ from lightning_strategies.checkpoint import (
     to_cpu_state,
 )
 from lightning_strategies.checkpoint.flat import gather_full, local_shard, split_full
+from lightning_strategies.checkpoint.model_state import tied_parameter_aliases
 from lightning_strategies.checkpoint.sharded import (
     SHARDED_LAYOUT_KEY,
     SHARDED_LAYOUT_VERSION,
@@ -296,6 +297,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         auto_wrap_min_params: Submodules with at least this many parameters get their own FSDP; ``None`` wraps only
             the root. Ignored when ``configure_model`` already wrapped submodules.
         state_dict_type: ``"full"`` (one canonical file) or ``"sharded"`` (a directory, one file per rank).
+        broadcast_buffers: Give every rank global rank 0's buffers that change in training (BatchNorm running
+            statistics) before each forward, as ``ddp`` does; ``False`` keeps each rank's own (no collective).
         **fsdp_kwargs: Passed to every ``FullyShardedDataParallel``: ``flatten_parameters``,
             ``reshard_after_forward``, ``mixed_precision``, ``compute_dtype``, ``fp32_reduce_scatter``,
             ``bucket_cap_mb``, ``cpu_offload``, ``move_grads_to_cpu``, ``state_dict_on_rank_0_only`` (default
@@ -321,6 +324,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         hand_back: HandBack = "checkpoint",
         auto_wrap_min_params: int | None = 100_000_000,
         state_dict_type: Literal["full", "sharded"] = "full",
+        broadcast_buffers: bool = True,
         **fsdp_kwargs: Any,
     ) -> None:
         unknown = sorted(set(fsdp_kwargs) - FSDP_KWARGS)
@@ -346,6 +350,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._fsdp_kwargs = {"state_dict_on_rank_0_only": True, **fsdp_kwargs}
         self._auto_wrap_min_params = auto_wrap_min_params
         self._state_dict_type = state_dict_type
+        self._broadcast_buffers = broadcast_buffers
         self._cpu_patched = False
         self._units: list[_Unit] = []
         self._layouts: dict[int, _Layout] = {}
@@ -353,6 +358,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._original_children: list[tuple[Module, str, Module]] = []
         self._state_key_order: list[str] = []
         self._routing: SubmoduleCallRouting | None = None
+        self._aliases: dict[str, str] = {}  # the other names of tied parameters -> the name a unit holds them under
 
     @classmethod
     @override
@@ -403,6 +409,10 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         user_wrapped = any(isinstance(child, FSDP) for child in module.modules())
         # The order of the plain module's state_dict, for the canonical state gathered unit by unit (references only).
         self._state_key_order = [] if user_wrapped else list(module.state_dict(keep_vars=True))
+        # Flat parameters hold a tied parameter once: its other names go into the sharded layout for consolidate.
+        self._aliases = {
+            _canonical(alias): _canonical(holder) for alias, holder in tied_parameter_aliases(module).items()
+        }
         if not user_wrapped and self._auto_wrap_min_params is not None:
             policy = functools.partial(default_auto_wrap_policy, min_num_params=self._auto_wrap_min_params)
             with enable_wrap(wrapper_cls=FSDP, **kwargs):
@@ -723,7 +733,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
 
         ``units``: the flat shards in ``local_state_dict()`` (its key, the canonical names and shapes it holds, the
         size of its process group); ``optimizers``: for each optimizer, the canonical names of each param group and
-        which unit each index of its flat state is.
+        which unit each index of its flat state is; ``aliases``: the other names of tied parameters, each mapped to
+        the name a unit holds it under.
         """
         key_of = {id(param): _canonical(name) for name, param in self._root().named_parameters()}
         position = {id(unit.param): index for index, unit in enumerate(self._units)}
@@ -751,6 +762,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             "world_size": self.world_size,
             "units": units,
             "optimizers": optimizers,
+            "aliases": dict(self._aliases),
         }
 
     @override

@@ -98,6 +98,8 @@ class FSDP2Strategy(DirectReferenceStrategy):
         activation_checkpointing: Submodule classes whose activations are recomputed in backward.
         state_dict_type: ``"full"`` (one canonical file) or ``"sharded"`` (a ``torch.distributed.checkpoint``
             directory that resumes at any world size).
+        broadcast_buffers: Give every rank global rank 0's buffers that change in training (BatchNorm running
+            statistics) before each forward, as ``ddp`` does; ``False`` keeps each rank's own (no collective).
 
     Raises:
         ValueError: An unknown ``state_dict_type``.
@@ -123,6 +125,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         cpu_offload: bool = False,
         activation_checkpointing: Iterable[type[Module]] = (),
         state_dict_type: Literal["full", "sharded"] = "full",
+        broadcast_buffers: bool = True,
     ) -> None:
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
@@ -150,6 +153,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
                 " torch.utils.checkpoint.checkpoint in your module's forward, or use torch 2.13 or 2.14."
             )
         self._state_dict_type = state_dict_type
+        self._broadcast_buffers = broadcast_buffers
         self._device_mesh: DeviceMesh | None = None
         self._sharded_directory: Path | None = None
         self._routing: SubmoduleCallRouting | None = None

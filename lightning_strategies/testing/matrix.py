@@ -31,6 +31,9 @@ from .state import SaveAfterRestore, max_state_difference
 
 WEIGHTS_ATOL = 1e-5
 STATE_ATOL = 1e-6
+#: Where the model zoo's section of the resume-matrix page starts (``python -m tests.zoo`` writes it); ``main`` keeps
+#: everything from there on when it rewrites the page.
+ZOO_SECTION_MARKER = "<!-- model zoo"
 
 
 @dataclass(frozen=True)
@@ -272,7 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = "# Resume matrix\n\n" + "\n\n".join(sections) + "\n"
     print(text)
     if args.out:
-        args.out.write_text(text)
+        existing = args.out.read_text() if args.out.exists() else ""
+        zoo = existing[existing.index(ZOO_SECTION_MARKER) :] if ZOO_SECTION_MARKER in existing else ""
+        args.out.write_text(text + (f"\n{zoo}" if zoo else ""))
     return 1 if failed else 0
 
 

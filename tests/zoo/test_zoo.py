@@ -1,0 +1,111 @@
+"""Every zoo model under every strategy: fit, resume under every other strategy, plain load, inspect/consolidate.
+
+Each test reads its model's report (one run per model, see ``conftest.py``) and fails with the harness's own words,
+which name the model, the strategy and the check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pytorch_lightning.strategies import DDPStrategy
+
+from tests.zoo.harness import REFERENCE, ModelReport, ZooStrategy, default_strategies, run_model
+from tests.zoo.models import ZOO, ZooModel
+
+pytest.importorskip("transformers")
+
+# A model's first test runs its whole zoo (about 30 fits of 2 forked processes).
+pytestmark = pytest.mark.timeout(900)
+
+Report = Callable[[ZooModel], ModelReport]
+
+PAIRS = [(model, strategy) for model in ZOO for strategy in default_strategies() if strategy.applies(model)]
+PAIR_IDS = [f"{model.id}-{strategy.label}" for model, strategy in PAIRS]
+CELLS = [
+    (model, saver, resumer)
+    for model, saver in PAIRS
+    for _, resumer in PAIRS
+    if _ is model and resumer.label != saver.label
+]
+CELL_IDS = [f"{model.id}-{saver.label}-to-{resumer.label}" for model, saver, resumer in CELLS]
+
+
+def _saved(report: ModelReport, strategy: ZooStrategy) -> None:
+    if strategy.label not in report.saved:
+        pytest.fail(f"[{report.model.name}] {strategy.label}: not checked, its fit failed (check 1)")
+
+
+@pytest.mark.parametrize(("model", "strategy"), PAIRS, ids=PAIR_IDS)
+def test_fit_works_with_ddps_losses(zoo_report: Report, model: ZooModel, strategy: ZooStrategy) -> None:
+    report = zoo_report(model)
+    failures = report.problems(strategy.label, 1)
+    assert not failures, report.explain(failures)
+
+
+@pytest.mark.parametrize(("model", "saved_by", "resumed_by"), CELLS, ids=CELL_IDS)
+def test_a_mid_run_checkpoint_resumes_exactly_under_another_strategy(
+    zoo_report: Report, model: ZooModel, saved_by: ZooStrategy, resumed_by: ZooStrategy
+) -> None:
+    report = zoo_report(model)
+    _saved(report, saved_by)
+    failures = report.problems(saved_by.label, 2, resumed_by.label)
+    assert not failures, report.explain(failures)
+
+
+@pytest.mark.parametrize(("model", "strategy"), PAIRS, ids=PAIR_IDS)
+def test_the_checkpoint_loads_as_a_plain_checkpoint_with_the_bare_models_keys(
+    zoo_report: Report, model: ZooModel, strategy: ZooStrategy
+) -> None:
+    report = zoo_report(model)
+    _saved(report, strategy)
+    failures = report.problems(strategy.label, 3)
+    assert not failures, report.explain(failures)
+
+
+@pytest.mark.parametrize(("model", "strategy"), PAIRS, ids=PAIR_IDS)
+def test_inspect_finds_nothing_and_a_sharded_save_consolidates_to_the_full_checkpoint(
+    zoo_report: Report, model: ZooModel, strategy: ZooStrategy
+) -> None:
+    report = zoo_report(model)
+    _saved(report, strategy)
+    failures = report.problems(strategy.label, 4)
+    assert not failures, report.explain(failures)
+
+
+class DropsTheTiedKey(DDPStrategy):
+    """ddp, except that its checkpoints lack GPT-2's tied ``lm_head.weight`` (what fsdp_fairscale once wrote)."""
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        state.pop("model.lm_head.weight", None)
+        return state
+
+
+def test_a_strategy_that_drops_the_tied_key_fails_the_zoo_naming_model_strategy_and_check(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    gpt2 = next(model for model in ZOO if model.name == "gpt2")
+    control = next(strategy for strategy in default_strategies() if strategy.label == REFERENCE)
+    broken = ZooStrategy("ddp_drops_tied_key", lambda model: DropsTheTiedKey(start_method="fork"))
+
+    report = run_model(gpt2, tmp_path, [control, broken])
+
+    plain_load = report.explain(report.problems("ddp_drops_tied_key", 3))
+    assert "[gpt2] ddp_drops_tied_key: check 3 (loads as a plain checkpoint): keys missing:" in plain_load
+    assert "model.lm_head.weight" in plain_load
+    resumed = report.explain(report.problems("ddp_drops_tied_key", 2, REFERENCE))
+    assert "[gpt2] ddp_drops_tied_key -> ddp: check 2 (resumes exactly): resume raised" in resumed
+    assert "lm_head.weight" in resumed
+    assert not report.problems(REFERENCE, 1) and not report.problems(REFERENCE, 3)  # the control's own file is good
+    assert "| ddp_drops_tied_key | pass | FAIL: resume raised" in report.table()
+
+
+def test_the_docs_show_a_zoo_table_for_every_model() -> None:
+    page = (Path(__file__).parents[2] / "docs" / "resume-matrix.md").read_text()
+
+    for model in ZOO:
+        assert f"| {model.name}: saved by \\ resumed by | fit |" in page
