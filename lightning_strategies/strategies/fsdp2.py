@@ -15,6 +15,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 from torch.distributed._composable.checkpoint_activation import checkpoint as activation_checkpoint
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,11 +37,13 @@ from typing_extensions import override
 from lightning_strategies.checkpoint import (
     CheckpointFormatError,
     CheckpointMetadata,
+    OptimizerStateMismatchError,
     check_model_state,
 )
+from lightning_strategies.checkpoint.dcp import SafeFileSystemReader, SafeLoadPlanner, dcp_stamps, dcp_tensor_layout
 from lightning_strategies.checkpoint.flat import gather_to_rank0
 from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed
-from lightning_strategies.checkpoint.sharded import read_sharded_meta
+from lightning_strategies.checkpoint.sharded import ShardedCheckpoint, open_sharded, read_dcp_files, sharded_directory
 
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, pl
 from .base import DirectReferenceStrategy, StartMethod
@@ -123,7 +127,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         self._activation_checkpointing = tuple(activation_checkpointing)
         self._state_dict_type = state_dict_type
         self._device_mesh: DeviceMesh | None = None
-        self._sharded_directory: Path | None = None
+        self._sharded_checkpoint: tuple[ShardedCheckpoint, Metadata] | None = None
 
     # ------------------------------------------------------------------ environment and sharding
 
@@ -325,44 +329,103 @@ class FSDP2Strategy(DirectReferenceStrategy):
             return
         directory = Path(filepath)
         sharded = {"model": checkpoint["state_dict"], "optimizers": checkpoint.get("optimizer_states", [])}
-        self.save_sharded(checkpoint, directory, lambda: dcp_save(sharded, checkpoint_id=directory))
+
+        def write_dcp(staging: Path, save_id: str) -> None:
+            dcp_save({**sharded, **dcp_stamps(save_id, self.global_rank)}, checkpoint_id=staging)
+
+        self.save_sharded(checkpoint, directory, write_dcp)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        directory = Path(checkpoint_path)
-        if not directory.is_dir():
-            self._sharded_directory = None
+        directory = sharded_directory(checkpoint_path)
+        if directory is None:
+            self._sharded_checkpoint = None
             return super().load_checkpoint(checkpoint_path, weights_only)
-        meta, metadata, source = read_sharded_meta(directory)
-        self._checkpoint_source = source
-        if metadata.strategy != self.strategy_name:
+        sharded = open_sharded(directory)
+        self._checkpoint_source = source = sharded.source
+        if sharded.metadata.strategy != self.strategy_name or sharded.format != "torch.distributed.checkpoint":
             raise CheckpointFormatError(
-                f"{source} was not written by {self.strategy_name!r} with state_dict_type='sharded' ({metadata})."
-                " Consolidate it into a full checkpoint to load it with another strategy."
+                f"{source} was not written by {self.strategy_name!r} with state_dict_type='sharded'"
+                f" ({sharded.metadata}). Consolidate it into a full checkpoint to load it with another strategy."
             )
-        self._sharded_directory = directory
+        # .metadata read without running code; every .distcp file there, whole, and of this save.
+        self._sharded_checkpoint = (sharded, read_dcp_files(sharded))
         # Lightning checks that optimizer states exist before asking the strategy to load them.
-        return {**meta, "state_dict": {}, "optimizer_states": []}
+        return {**sharded.meta, "state_dict": {}, "optimizer_states": []}
+
+    def _dcp_load(self, state: dict[str, Any], directory: Path) -> None:
+        # torch's own reader and planner unpickle .metadata and non-tensor items with plain pickle: never used here.
+        dcp_load(state, storage_reader=SafeFileSystemReader(directory), planner=SafeLoadPlanner())
+
+    def _check_sharded_optimizers(self, templates: list[dict[str, Any]], stored: Metadata) -> None:
+        """Refuses sharded optimizer states that do not fit the optimizers, before anything is loaded."""
+        source = self._checkpoint_source
+        paths = stored.planner_data if isinstance(stored.planner_data, dict) else {}
+        saved_count = len({path[1] for path in paths.values() if len(path) > 1 and path[0] == "optimizers"})
+        if saved_count != len(templates):
+            raise OptimizerStateMismatchError(
+                f"{source} holds {saved_count} optimizer state(s), but configure_optimizers() returned"
+                f" {len(templates)}; nothing was loaded. Return the same optimizers as the run that saved it."
+            )
+        items = stored.state_dict_metadata
+        for index, template in enumerate(templates):
+            flat, _ = flatten_state_dict({"optimizers": {str(index): template}})
+            problems: list[str] = []
+            groups = {
+                str(path[3])
+                for path in paths.values()
+                if len(path) > 3 and path[0] == "optimizers" and str(path[1]) == str(index) and path[2] == "param_groups"
+            }
+            if len(groups) != len(template["param_groups"]):
+                problems.append(f"{len(groups)} param group(s) saved, the optimizer has {len(template['param_groups'])}")
+            for key, value in flat.items():
+                item = items.get(key)
+                if item is None:
+                    problems.append(f"{key!r} is missing")
+                elif isinstance(value, Tensor) and (
+                    not isinstance(item, TensorStorageMetadata) or tuple(item.size) != tuple(value.shape)
+                ):
+                    size = tuple(item.size) if isinstance(item, TensorStorageMetadata) else "not a tensor"
+                    problems.append(f"{key!r} has shape {size}, the optimizer's is {tuple(value.shape)}")
+            prefix = f"optimizers.{index}.state."
+            extra = [key for key in items if key.startswith(prefix) and key not in flat]
+            problems += [f"{key!r} belongs to no parameter of this model" for key in extra[:3]]
+            if problems:
+                raise OptimizerStateMismatchError(
+                    f"{source}, optimizer {index}: the saved state does not fit; nothing was loaded.\n  "
+                    + "\n  ".join(problems[:10])
+                )
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._sharded_directory is None:
+        if self._sharded_checkpoint is None:
             super().load_model_state_dict(checkpoint, strict)
             return
+        sharded, stored = self._sharded_checkpoint
         module = self.require_lightning_module()
-        model_state = get_model_state_dict(module)
-        dcp_load({"model": model_state}, checkpoint_id=self._sharded_directory)  # reshards to this world size
+        # Validated completely before any weight changes: DCP itself ignores keys the model lacks (an extra submodule
+        # under strict loading) and would load the weights before finding that the optimizer state does not fit.
+        saved_model = dcp_tensor_layout(stored, "model.")
+        check_model_state(
+            self._expected_model_state(), saved_model, strict=strict, source=sharded.source, shapes_only=True
+        )
+        if self._restoring_optimizers(checkpoint):
+            optimizers = self._raw_optimizers()
+            self._check_sharded_optimizers([get_optimizer_state_dict(module, opt) for opt in optimizers], stored)
+        model_state = {key: value for key, value in get_model_state_dict(module).items() if key in saved_model}
+        self._dcp_load({"model": model_state}, sharded.directory)  # reshards to this world size
         set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._sharded_directory is None:
+        if self._sharded_checkpoint is None:
             super().load_optimizer_state_dict(checkpoint)
             return
+        sharded, _ = self._sharded_checkpoint
         module = self.require_lightning_module()
         optimizers = self._raw_optimizers()
         templates = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
-        dcp_load({"optimizers": templates}, checkpoint_id=self._sharded_directory)
+        self._dcp_load({"optimizers": templates}, sharded.directory)
         for optimizer, state in zip(optimizers, templates, strict=True):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state)
-        self._sharded_directory = None
+        self._sharded_checkpoint = None

@@ -1,0 +1,211 @@
+"""Reading ``torch.distributed.checkpoint`` (DCP) directories without running code from them.
+
+torch's own reader unpickles ``.metadata`` with plain :mod:`pickle` and its load planner unpickles every non-tensor
+item with ``weights_only=False``: a crafted directory runs code in both places. Here ``.metadata`` goes through an
+unpickler that resolves only the types DCP metadata is made of, and non-tensor items load with ``weights_only=True``.
+Every DCP read of this package (strategies and command line) goes through :class:`SafeFileSystemReader` and
+:class:`SafeLoadPlanner`.
+
+A save of ours also stamps every rank's ``.distcp`` file with the save id and that rank
+(``lightning_strategies.save.rank<r>``), so files of different saves are never mixed: :func:`check_dcp_files`
+refuses a missing, truncated, swapped or foreign file by name before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import stat
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from lightning_strategies.checkpoint.errors import CheckpointFormatError
+
+DCP_METADATA_FILE: Final = ".metadata"
+STAMP_PREFIX: Final = "lightning_strategies.save.rank"
+_STAMP_KEY = re.compile(r"^lightning_strategies\.save\.rank(\d+)$")
+_RANK_OF_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+# What DCP's `.metadata` is made of (torch 2.4 .. 2.13): its dataclasses, torch.Size, dtypes, layouts, paths.
+_METADATA_TYPES: Final = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "StorageMeta",
+            "MetadataIndex",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo", "_StoragePrefix"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}),
+    "collections": frozenset({"OrderedDict"}),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the globals DCP metadata holds; anything else (``os.system``, ``eval``, ...) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_TYPES.get(module, ()) or (
+            module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of torch.distributed.checkpoint metadata")
+
+
+def regular_file(path: Path, source: str) -> int:
+    """The size of ``path``, which must be a regular file (not a link, a FIFO, a device or a directory).
+
+    Raises:
+        CheckpointFormatError: ``path`` is missing or not a regular file.
+    """
+    try:
+        status = path.lstat()
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{source} lacks {path.name}: the save that wrote it did not finish.") from None
+    if not stat.S_ISREG(status.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(status.st_mode) else "not a regular file"
+        raise CheckpointFormatError(
+            f"{source}: {path.name} is {kind}. A checkpoint's files are written by its save; use another checkpoint."
+        )
+    return status.st_size
+
+
+def read_dcp_metadata(directory: Path, source: str) -> Metadata:
+    """Reads ``directory/.metadata`` without running code from it.
+
+    Raises:
+        CheckpointFormatError: It is missing, not a regular file, damaged, or names other types than DCP metadata's.
+    """
+    path = directory / DCP_METADATA_FILE
+    regular_file(path, source)
+    try:
+        with open(path, "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+    except pickle.UnpicklingError as error:
+        raise CheckpointFormatError(
+            f"{source}: {DCP_METADATA_FILE} holds objects that only unpickle by running code, which this package"
+            f" refuses ({error})."
+        ) from error
+    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OSError) as error:
+        raise CheckpointFormatError(
+            f"{source}: {DCP_METADATA_FILE} could not be read: truncated or corrupted ({type(error).__name__}: {error})."
+        ) from error
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointFormatError(f"{source}: {DCP_METADATA_FILE} is not torch.distributed.checkpoint metadata.")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch's ``FileSystemReader`` whose ``.metadata`` is read by :func:`read_dcp_metadata` (no code runs)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The directory's metadata, read safely (then completed as torch's reader does)."""
+        directory = Path(self.path)
+        metadata = read_dcp_metadata(directory, f"Sharded checkpoint {str(directory)!r}")
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """torch's ``DefaultLoadPlanner`` with non-tensor items loaded ``weights_only=True`` (torch uses ``False``)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Loads one non-tensor item (hyper-parameters, names) without running code from it."""
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise CheckpointFormatError(
+                f"Item {read_item.dest_index.fqn!r} of a sharded checkpoint only unpickles by running code, which this"
+                f" package refuses ({error})."
+            ) from error
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def dcp_stamps(save_id: str, rank: int) -> dict[str, Tensor]:
+    """The item this rank adds to a DCP save: the save id and its rank, as bytes in a plain tensor (saved per rank)."""
+    return {f"{STAMP_PREFIX}{rank}": torch.frombuffer(bytearray(f"{save_id}:{rank}".encode()), dtype=torch.uint8)}
+
+
+def _read_item(directory: Path, info: Any, source: str) -> Any:
+    with open(directory / info.relative_path, "rb") as file:
+        file.seek(info.offset)
+        data = file.read(info.length)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:  # any damage in the item's bytes: named, never a traceback
+        raise CheckpointFormatError(
+            f"{source}: {info.relative_path} is damaged ({type(error).__name__}: {error})."
+        ) from error
+
+
+def check_dcp_files(directory: Path, metadata: Metadata, save_id: str, world_size: int, source: str) -> None:
+    """Checks that ``directory``'s ``.distcp`` files are all there, whole, and of the save ``save_id``.
+
+    Every file ``.metadata`` points into must be a regular file long enough for its items, and each rank's stamp must
+    lie in that rank's own file and name this save and rank. Reads only the stamps (a few bytes per rank).
+
+    Raises:
+        CheckpointFormatError: Naming the missing, truncated, swapped or foreign file.
+    """
+    sizes: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(info.relative_path)
+        if "/" in name or name.startswith("."):
+            raise CheckpointFormatError(f"{source}: {DCP_METADATA_FILE} points outside the directory ({name!r}).")
+        if name not in sizes:
+            sizes[name] = regular_file(directory / name, source)
+        if info.offset < 0 or info.length < 0 or info.offset + info.length > sizes[name]:
+            raise CheckpointFormatError(
+                f"{source}: {name} is truncated ({sizes[name]} bytes; {DCP_METADATA_FILE} expects at least"
+                f" {info.offset + info.length})."
+            )
+    stamps = {int(match[1]): key for key in metadata.state_dict_metadata if (match := _STAMP_KEY.match(key))}
+    if len(stamps) != world_size or not all(0 <= rank < world_size for rank in stamps):
+        raise CheckpointFormatError(
+            f"{source}: {DCP_METADATA_FILE} lists {len(stamps)} rank stamp(s) for a save at world size {world_size}:"
+            f" it belongs to another save than meta.pt (or was written by an older lightning_strategies)."
+        )
+    by_key = {index.fqn: info for index, info in (metadata.storage_data or {}).items()}
+    for rank, key in sorted(stamps.items()):
+        info = by_key.get(key)
+        if info is None:
+            raise CheckpointFormatError(f"{source}: {DCP_METADATA_FILE} does not say where rank {rank}'s stamp is.")
+        file_rank = _RANK_OF_FILE.match(str(info.relative_path))
+        value = _read_item(directory, info, source)
+        expected = f"{save_id}:{rank}"
+        found = bytes(value.tolist()).decode(errors="replace") if isinstance(value, Tensor) else repr(value)
+        if file_rank is None or int(file_rank[1]) != rank or found != expected:
+            raise CheckpointFormatError(
+                f"{source}: {info.relative_path} is not rank {rank}'s file of this save (its stamp reads"
+                f" {found!r}, meta.pt's save is {save_id!r}): files of different saves were mixed. Use another"
+                " checkpoint."
+            )
+
+
+def dcp_tensor_layout(metadata: Metadata, prefix: str) -> dict[str, Tensor]:
+    """The tensors under ``prefix`` (e.g. ``"model."``) as meta tensors of their global shapes and dtypes."""
+    return {
+        key.removeprefix(prefix): torch.empty(tuple(item.size), dtype=item.properties.dtype, device="meta")
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
