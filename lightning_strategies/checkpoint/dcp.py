@@ -14,6 +14,7 @@ refuses a missing, truncated, swapped or foreign file by name before anything is
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import re
 import stat
@@ -103,7 +104,8 @@ def read_dcp_metadata(directory: Path, source: str) -> Metadata:
         ) from error
     except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OSError) as error:
         raise CheckpointFormatError(
-            f"{source}: {DCP_METADATA_FILE} could not be read: truncated or corrupted ({type(error).__name__}: {error})."
+            f"{source}: {DCP_METADATA_FILE} could not be read: truncated or corrupted"
+            f" ({type(error).__name__}: {error})."
         ) from error
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise CheckpointFormatError(f"{source}: {DCP_METADATA_FILE} is not torch.distributed.checkpoint metadata.")
@@ -179,6 +181,18 @@ def check_dcp_files(directory: Path, metadata: Metadata, save_id: str, world_siz
                 f"{source}: {name} is truncated ({sizes[name]} bytes; {DCP_METADATA_FILE} expects at least"
                 f" {info.offset + info.length})."
             )
+    # Memory is bounded by the files: a tensor may not claim more bytes than its stored chunks hold.
+    stored: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + int(info.length)
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            declared = math.prod(item.size) * item.properties.dtype.itemsize
+            if declared > stored.get(key, 0):
+                raise CheckpointFormatError(
+                    f"{source}: {DCP_METADATA_FILE} declares {key!r} as {tuple(item.size)} ({declared:,} bytes), more"
+                    f" than its files hold ({stored.get(key, 0):,} bytes): damaged or crafted. Refused."
+                )
     stamps = {int(match[1]): key for key in metadata.state_dict_metadata if (match := _STAMP_KEY.match(key))}
     if len(stamps) != world_size or not all(0 <= rank < world_size for rank in stamps):
         raise CheckpointFormatError(

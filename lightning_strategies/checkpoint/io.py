@@ -77,9 +77,7 @@ def read_checkpoint(path: str | Path, load: Callable[[], Any] | None = None, *, 
         if file.is_file():
             _require_bounded_archive(file)
     try:
-        checkpoint = (
-            load() if load is not None else torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
-        )
+        checkpoint = load() if load is not None else torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         raise CheckpointFormatError(
             f"Checkpoint {str(path)!r} holds objects that only unpickle by running code, which this package refuses"

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import torch
 from torch import Tensor
 
-from lightning_strategies.checkpoint.atomic import replaced_name
 from lightning_strategies.checkpoint.dcp import DCP_METADATA_FILE, check_dcp_files, read_dcp_metadata, regular_file
 from lightning_strategies.checkpoint.errors import CheckpointFormatError
 from lightning_strategies.checkpoint.io import read_checkpoint
@@ -83,9 +82,9 @@ def remove_stale_saves(target: Path) -> None:
     if not target.parent.exists():
         return
     for sibling in target.parent.iterdir():
-        if sibling.name.startswith(f".{target.name}{_SAVING}"):
-            shutil.rmtree(sibling, ignore_errors=True)
-        elif sibling.name.startswith(f".{target.name}.replaced-") and target.exists():
+        staging = sibling.name.startswith(f".{target.name}{_SAVING}")
+        replaced = sibling.name.startswith(f".{target.name}.replaced-")
+        if staging or (replaced and target.exists()):
             shutil.rmtree(sibling, ignore_errors=True)
 
 
@@ -218,11 +217,13 @@ def rank_file_paths(sharded: ShardedCheckpoint) -> list[Path]:
         missing = [rank for rank in range(min(world_size, len(present) + 3)) if rank not in present]
         extra = sorted(rank for rank in present if rank >= world_size)
         details = []
-        if missing or len(present) < world_size:
+        absent = world_size - len([rank for rank in present if rank < world_size])
+        if absent:
+            names = ", ".join(SHARDED_RANK_FILE.format(rank=rank) for rank in missing[:3])
+            more = f" and {absent - len(missing[:3])} more" if absent > len(missing[:3]) else ""
             details.append(
-                f"lacks {world_size - len([rank for rank in present if rank < world_size])} rank file(s)"
-                f" (e.g. {', '.join(SHARDED_RANK_FILE.format(rank=rank) for rank in missing[:3])}) of the"
-                f" {world_size} its save wrote: a rank did not finish saving"
+                f"lacks {names}{more} ({absent} of the {world_size} rank files its save wrote): a rank did not finish"
+                " saving"
             )
         if extra:
             details.append(f"has rank file(s) of ranks beyond world size {world_size} ({extra[:3]})")
@@ -285,7 +286,9 @@ def fairscale_model_layout(local_state: Mapping[str, Any], layout: Mapping[str, 
             for name, shape in zip(unit["names"], unit["shapes"], strict=True):
                 result[str(name)] = torch.empty(tuple(shape), dtype=dtype, device="meta")
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as error:
-        raise CheckpointFormatError(f"The rank file's {SHARDED_LAYOUT_KEY!r} block is malformed ({error!r}).") from error
+        raise CheckpointFormatError(
+            f"The rank file's {SHARDED_LAYOUT_KEY!r} block is malformed ({error!r})."
+        ) from error
     for key, value in local_state.items():
         if key not in unit_keys and isinstance(value, Tensor):
             name = strip_wrapper_segments(key, INNER_WRAPPER_SEGMENTS)

@@ -43,8 +43,8 @@ from lightning_strategies.checkpoint import (
     require_full_checkpoint,
     to_cpu_state,
 )
-from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError
 from lightning_strategies.checkpoint.atomic import raise_if_disk_full, replace_directory
+from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError
 from lightning_strategies.checkpoint.sharded import (
     new_save_id,
     remove_stale_saves,
@@ -681,7 +681,7 @@ class DirectReferenceStrategy(ParallelStrategy):
     def save_sharded(
         self, checkpoint: dict[str, Any], directory: Path, write_shards: Callable[[Path, str], None]
     ) -> None:
-        """Writes a sharded checkpoint directory atomically: ``directory`` holds the previous save until this one is whole.
+        """Writes a sharded checkpoint directory atomically: the previous save stays until this one is whole.
 
         Rank 0 draws a save id; every rank writes its shards (stamped with the id and its rank) into a sibling
         staging directory; rank 0 adds ``meta.pt`` and swaps the staging directory in (an atomic exchange on Linux).

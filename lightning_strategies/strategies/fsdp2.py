@@ -374,10 +374,15 @@ class FSDP2Strategy(DirectReferenceStrategy):
             groups = {
                 str(path[3])
                 for path in paths.values()
-                if len(path) > 3 and path[0] == "optimizers" and str(path[1]) == str(index) and path[2] == "param_groups"
+                if len(path) > 3
+                and path[0] == "optimizers"
+                and str(path[1]) == str(index)
+                and path[2] == "param_groups"
             }
             if len(groups) != len(template["param_groups"]):
-                problems.append(f"{len(groups)} param group(s) saved, the optimizer has {len(template['param_groups'])}")
+                problems.append(
+                    f"{len(groups)} param group(s) saved, the optimizer has {len(template['param_groups'])}"
+                )
             for key, value in flat.items():
                 item = items.get(key)
                 if item is None:
