@@ -13,7 +13,6 @@ optimizer layout, the same Lightning entries (loops, schedulers, callbacks) and 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +20,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from lightning_strategies.checkpoint import METADATA_KEY, CheckpointError, CheckpointMetadata, strip_wrapper_segments
 from lightning_strategies.checkpoint.atomic import atomic_torch_save
-from lightning_strategies.checkpoint.dcp import STAMP_PREFIX, SafeFileSystemReader, SafeLoadPlanner
+from lightning_strategies.checkpoint.dcp import dcp_tensor_count, iter_dcp_items
 from lightning_strategies.checkpoint.flat import split_full
 from lightning_strategies.checkpoint.optimizer_state import name_keyed_to_canonical
 from lightning_strategies.checkpoint.sharded import (
@@ -182,34 +179,16 @@ def _fairscale_optimizer(
 # ---------------------------------------------------------------------------------------------- DCP
 
 
-def load_dcp_items(items: dict[str, Any], directory: Path) -> None:
-    """Loads ``items`` (a flat ``{key: tensor or placeholder}`` dict) from a DCP directory, without a process group."""
-    planner = SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # no process group: intended
-        dcp_load(items, storage_reader=SafeFileSystemReader(directory), planner=planner, no_dist=True)
-
-
 def _dcp(sharded: ShardedCheckpoint, show_progress: bool) -> tuple[dict[str, Any], list[Any], int]:
     directory = sharded.directory
     metadata = read_dcp_files(sharded)  # .metadata read safely; every .distcp file there, whole, of this save
     paths: dict[str, tuple[Any, ...]] = dict(metadata.planner_data or {})
-    items = {key: item for key, item in metadata.state_dict_metadata.items() if not key.startswith(STAMP_PREFIX)}
-    tensors = [key for key, item in items.items() if isinstance(item, TensorStorageMetadata)]
-    others: dict[str, Any] = {key: None for key, item in items.items() if not isinstance(item, TensorStorageMetadata)}
-    if others:  # hyper-parameters and parameter names: small, read together
-        load_dcp_items(others, directory)
-    values: dict[str, Any] = dict(others)
-    bar = Progress(len(tensors), "consolidating", show_progress)
+    values: dict[str, Any] = {}
+    bar = Progress(dcp_tensor_count(metadata), "consolidating", show_progress)
     try:
-        for key in tensors:
-            item = items[key]
-            if not isinstance(item, TensorStorageMetadata):  # for the type checker; filtered above
-                continue
-            target = {key: torch.empty(item.size, dtype=item.properties.dtype)}
-            load_dcp_items(target, directory)
-            values[key] = target[key]
-            bar.advance()
+        for key, value in iter_dcp_items(directory, metadata):
+            values[key] = value
+            bar.advance(int(isinstance(value, Tensor)))
     finally:
         bar.close()
     state: dict[str, Any] = {}

@@ -27,7 +27,7 @@ from lightning_strategies.checkpoint import (
     read_checkpoint,
     strip_wrapper_segments,
 )
-from lightning_strategies.checkpoint.dcp import dcp_tensor_layout
+from lightning_strategies.checkpoint.dcp import dcp_tensor_layout, iter_dcp_items
 from lightning_strategies.checkpoint.optimizer_state import PARAM_SHAPED_STATE
 from lightning_strategies.checkpoint.sharded import (
     INNER_WRAPPER_SEGMENTS,
@@ -443,12 +443,18 @@ def inspect_directory(path: Path, expected: Module | None = None) -> Inspection:
                 "files": len({info.relative_path for info in dcp.storage_data.values()}),
             }
             canonical = dcp_tensor_layout(dcp, "model.")
+            # Every item read (one tensor at a time), as a resume or consolidate would: damage shows here.
+            non_finite = [key for key, value in iter_dcp_items(sharded.directory, dcp) if _not_finite(value)]
+            _flag_non_finite(report, non_finite)
         else:
             resumes = f"{strategy!r} at world size {sharded.world_size}"
             report.sharded = {"format": sharded.format, "files": len(rank_file_paths(sharded))}
             canonical = _fairscale_shards(report, sharded)
     except CheckpointError as error:
         report.add("error", "bad-shard", str(error))
+        return report
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, OSError) as error:
+        report.add("error", "bad-shard", f"{path}: its shards are damaged ({type(error).__name__}: {error}).")
         return report
     if canonical:
         report.model = _tensor_summary(canonical)

@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -40,7 +39,7 @@ from lightning_strategies.checkpoint import (
     OptimizerStateMismatchError,
     check_model_state,
 )
-from lightning_strategies.checkpoint.dcp import SafeFileSystemReader, SafeLoadPlanner, dcp_stamps, dcp_tensor_layout
+from lightning_strategies.checkpoint.dcp import dcp_stamps, dcp_tensor_layout, safe_dcp_load
 from lightning_strategies.checkpoint.flat import gather_to_rank0
 from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed
 from lightning_strategies.checkpoint.sharded import ShardedCheckpoint, open_sharded, read_dcp_files, sharded_directory
@@ -353,10 +352,6 @@ class FSDP2Strategy(DirectReferenceStrategy):
         # Lightning checks that optimizer states exist before asking the strategy to load them.
         return {**sharded.meta, "state_dict": {}, "optimizer_states": []}
 
-    def _dcp_load(self, state: dict[str, Any], directory: Path) -> None:
-        # torch's own reader and planner unpickle .metadata and non-tensor items with plain pickle: never used here.
-        dcp_load(state, storage_reader=SafeFileSystemReader(directory), planner=SafeLoadPlanner())
-
     def _check_sharded_optimizers(self, templates: list[dict[str, Any]], stored: Metadata) -> None:
         """Refuses sharded optimizer states that do not fit the optimizers, before anything is loaded."""
         source = self._checkpoint_source
@@ -418,7 +413,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
             optimizers = self._raw_optimizers()
             self._check_sharded_optimizers([get_optimizer_state_dict(module, opt) for opt in optimizers], stored)
         model_state = {key: value for key, value in get_model_state_dict(module).items() if key in saved_model}
-        self._dcp_load({"model": model_state}, sharded.directory)  # reshards to this world size
+        safe_dcp_load({"model": model_state}, sharded.directory)  # reshards to this world size
         set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict))
 
     @override
@@ -430,7 +425,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         module = self.require_lightning_module()
         optimizers = self._raw_optimizers()
         templates = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
-        self._dcp_load({"optimizers": templates}, sharded.directory)
+        safe_dcp_load({"optimizers": templates}, sharded.directory)
         for optimizer, state in zip(optimizers, templates, strict=True):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state)
         self._sharded_checkpoint = None
