@@ -115,11 +115,14 @@ def raise_if_disk_full(error: BaseException, target: Path) -> None:
     """Raises :class:`DiskFullError` (from ``error``) when ``error`` is a full disk; else returns.
 
     Args:
-        error: What the save raised.
+        error: What the save raised (possibly a ``DiskFullError`` about one file of ``target``).
         target: The checkpoint being saved, for the message.
     """
-    if isinstance(error, DiskFullError) or not _is_disk_full(error):
+    if not _is_disk_full(error):
         return
+    cause: BaseException = error
+    while isinstance(cause, DiskFullError) and (cause.__cause__ or cause.__context__) is not None:
+        cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
     try:
         free = f"{shutil.disk_usage(target.parent if target.parent.exists() else Path.cwd()).free:,} bytes free"
     except OSError:
@@ -128,7 +131,7 @@ def raise_if_disk_full(error: BaseException, target: Path) -> None:
         errno.ENOSPC,
         f"Saving checkpoint {str(target)!r} failed: the disk is full (No space left on device; {free}). The previous"
         f" checkpoint at that path is unchanged. Free some space (or save elsewhere) and save again. Cause:"
-        f" {type(error).__name__}: {error}",
+        f" {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}",
     ) from error
 
 

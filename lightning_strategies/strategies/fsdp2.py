@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from torch.distributed._composable.checkpoint_activation import checkpoint as activation_checkpoint
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -39,6 +40,7 @@ from lightning_strategies.checkpoint import (
     OptimizerStateMismatchError,
     check_model_state,
 )
+from lightning_strategies.checkpoint.atomic import raise_if_disk_full
 from lightning_strategies.checkpoint.dcp import dcp_stamps, dcp_tensor_layout, safe_dcp_load
 from lightning_strategies.checkpoint.flat import gather_to_rank0
 from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed
@@ -330,7 +332,11 @@ class FSDP2Strategy(DirectReferenceStrategy):
         sharded = {"model": checkpoint["state_dict"], "optimizers": checkpoint.get("optimizer_states", [])}
 
         def write_dcp(staging: Path, save_id: str) -> None:
-            dcp_save({**sharded, **dcp_stamps(save_id, self.global_rank)}, checkpoint_id=staging)
+            try:
+                dcp_save({**sharded, **dcp_stamps(save_id, self.global_rank)}, checkpoint_id=staging)
+            except CheckpointException as error:  # does not survive the trip to the launching process: re-told
+                raise_if_disk_full(error, directory)
+                raise RuntimeError(f"Saving sharded checkpoint {str(directory)!r} failed: {error}") from None
 
         self.save_sharded(checkpoint, directory, write_dcp)
 
