@@ -8,6 +8,8 @@ import io
 import pickle
 import shutil
 import sys
+import time
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -332,3 +334,85 @@ def test_a_full_checkpoint_with_unusable_tensors_is_refused_with_the_weights_bit
 
     strategy = guarded_strategy(strategy_class, tmp_path)
     _resume_refused(strategy, broken, new_model(seed=11), r"'head.weight': (is a meta-device|has the sparse)", tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------- inspect and consolidate
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _overwrite_start(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[:64] = b"\xff" * 64
+    path.write_bytes(bytes(data))
+
+
+def _symlink(path: Path) -> None:
+    copy = path.with_name("elsewhere.bin")
+    path.rename(copy)
+    path.symlink_to(copy)
+
+
+def _claim_world_size(directory: Path) -> None:
+    meta = torch.load(directory / "meta.pt", weights_only=True)
+    meta["lightning_strategies"]["world_size"] = meta["sharded_save"]["world_size"] = 10**9
+    torch.save(meta, directory / "meta.pt")
+
+
+def _deflate(path: Path) -> None:
+    """Rewrites a torch file with deflated records around a 64 MiB tensor of zeros: a small file, a large load."""
+    content = torch.load(path, weights_only=True)
+    content["padding"] = torch.zeros(16 * 2**20)
+    buffer = io.BytesIO()
+    torch.save(content, buffer)
+    with zipfile.ZipFile(buffer) as source, zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as target:
+        for record in source.infolist():
+            target.writestr(record.filename, source.read(record.filename))
+
+
+BAD: dict[str, tuple[str, Callable[[Path], None], str]] = {
+    "truncated rank file": ("fsdp_fairscale", lambda d: _truncate(d / "rank1.pt"), "rank1.pt' could not be read"),
+    "zero-byte rank file": ("fsdp_fairscale", lambda d: (d / "rank0.pt").write_bytes(b""), "rank0.pt' is empty"),
+    "symlinked rank file": ("fsdp_fairscale", lambda d: _symlink(d / "rank1.pt"), "rank1.pt is a symbolic link"),
+    "world size 10**9": ("fsdp_fairscale", _claim_world_size, "999999998 of the 1000000000 rank files"),
+    "compressed meta.pt": ("fsdp_fairscale", lambda d: _deflate(d / "meta.pt"), "unpack to more bytes than the file"),
+    "missing .distcp": ("fsdp2", lambda d: (d / "__1_0.distcp").unlink(), "lacks __1_0.distcp"),
+    "truncated .distcp": ("fsdp2", lambda d: _truncate(d / "__0_0.distcp"), "__0_0.distcp is truncated"),
+    "damaged .distcp": ("fsdp2", lambda d: _overwrite_start(d / "__0_0.distcp"), "__0_0.distcp is damaged"),
+    "symlinked .distcp": ("fsdp2", lambda d: _symlink(d / "__1_0.distcp"), "__1_0.distcp is a symbolic link"),
+    "world size 10**9 (DCP)": ("fsdp2", _claim_world_size, "2 rank stamp(s) for a save at world size 1000000000"),
+}
+
+
+@pytest.mark.parametrize("entry", ["inspect", "consolidate"])
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_broken_sharded_directory_fails_with_a_named_error_quickly(
+    saves: dict[str, Path], tmp_path: Path, case: str, entry: str
+) -> None:
+    strategy_name, breaks, named = BAD[case]
+    directory = _copy(saves[strategy_name], tmp_path)
+    breaks(directory)
+
+    started = time.monotonic()
+    message = _enter(entry, strategy_name, directory, tmp_path)  # exit code 1, no traceback
+
+    assert named in message, message
+    assert time.monotonic() - started < 10
+
+
+def test_inspect_flags_non_finite_weights_in_full_and_sharded_checkpoints(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    directory = _copy(saves["fsdp_fairscale"], tmp_path)
+    shard = torch.load(directory / "rank0.pt", weights_only=True)
+    flat = next(key for key in shard["state_dict"] if "flat_param" in key)
+    shard["state_dict"][flat][0] = float("nan")
+    torch.save(shard, directory / "rank0.pt")
+    full = tmp_path / "full.ckpt"
+    torch.save({"state_dict": {"weight": torch.tensor([1.0, float("inf")])}}, full)
+
+    for path, named in ((directory, f"rank0.pt:{flat}"), (full, "'weight'")):
+        code, output = _run_cli(["inspect", str(path)])
+        assert code == 1 and "non-finite: 1 tensor(s) hold NaN or Inf" in output and named in output, output

@@ -31,8 +31,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.futures import Future
 
 from lightning_strategies.checkpoint.errors import CheckpointFormatError
 
@@ -130,6 +131,20 @@ class SafeFileSystemReader(FileSystemReader):
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """torch's reading, with damage in a file reported by the file's name."""
+        try:
+            return super().read_data(plan, planner)
+        except CheckpointFormatError:
+            raise
+        except Exception as error:  # whatever torch.load raises on damaged bytes
+            files = sorted({str(self.storage_data[item.storage_index].relative_path) for item in plan.items})
+            first_line = (str(error).splitlines() or [""])[0]
+            raise CheckpointFormatError(
+                f"Sharded checkpoint {str(self.path)!r}: {', '.join(files)} is damaged ({type(error).__name__}:"
+                f" {first_line}). Use another checkpoint."
+            ) from error
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -252,7 +267,8 @@ def safe_dcp_load(state: dict[str, Any], directory: Path, *, flatten: bool = Tru
             dcp_load(state, storage_reader=SafeFileSystemReader(directory), planner=planner, no_dist=no_dist)
     except CheckpointException as error:
         failures = list(error.failures.values())
-        cause = failures[0] if failures else error
+        first = failures[0] if failures else error
+        cause: BaseException = first[0] if isinstance(first, tuple) else first  # DCP keeps (exception, traceback)
         if isinstance(cause, CheckpointFormatError):
             raise CheckpointFormatError(str(cause)) from None
         raise CheckpointFormatError(
