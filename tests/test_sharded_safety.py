@@ -416,3 +416,13 @@ def test_inspect_flags_non_finite_weights_in_full_and_sharded_checkpoints(
     for path, named in ((directory, f"rank0.pt:{flat}"), (full, "'weight'")):
         code, output = _run_cli(["inspect", str(path)])
         assert code == 1 and "non-finite: 1 tensor(s) hold NaN or Inf" in output and named in output, output
+
+
+def test_inspect_flags_wrapper_segments_nested_below_the_top(tmp_path: Path) -> None:
+    path = tmp_path / "nested.ckpt"
+    weights = {"encoder.module.weight": torch.zeros(2, 2), "head.module.bias": torch.zeros(2)}
+    torch.save({"state_dict": weights}, path)
+
+    code, output = _run_cli(["inspect", str(path)])
+
+    assert code == 0 and "nested-wrapper: Every nested key has a 'module' segment" in output, output

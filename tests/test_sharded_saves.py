@@ -22,7 +22,9 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy
+from lightning_strategies.checkpoint import atomic
 from lightning_strategies.checkpoint.atomic import DiskFullError, atomic_torch_save
+from lightning_strategies.checkpoint.sharded import resolve_sharded_directory, sharded_directory
 from lightning_strategies.cli.consolidate import consolidate_checkpoint
 from tests.conftest import free_loopback_port
 from tests.helpers import fit, new_model
@@ -224,3 +226,33 @@ def test_a_sharded_save_removes_what_killed_saves_left_next_to_it(tmp_path: Path
     fit(_sharded(name), new_model(), callbacks=[SaveAtEpochEnd(path)], max_epochs=2)  # saves twice: replaces too
 
     assert sorted(entry.name for entry in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def _directory_with(path: Path, content: str) -> Path:
+    path.mkdir()
+    (path / "meta.pt").write_text(content)
+    return path
+
+
+def test_without_an_atomic_exchange_two_renames_replace_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(atomic, "_exchange", lambda first, second: False)  # a filesystem without RENAME_EXCHANGE
+    target = _directory_with(tmp_path / "last.ckpt", "previous")
+    staging = _directory_with(tmp_path / ".last.ckpt.saving-1", "new")
+
+    atomic.replace_directory(staging, target, "1")
+
+    assert (target / "meta.pt").read_text() == "new"
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_a_save_killed_between_its_two_renames_leaves_the_previous_directory_where_loaders_find_it(
+    tmp_path: Path,
+) -> None:
+    # The state a kill leaves between `target -> replaced` and `staging -> target` (no atomic exchange).
+    replaced = _directory_with(atomic.replaced_name(tmp_path / "last.ckpt", "1"), "previous")
+    _directory_with(tmp_path / ".last.ckpt.saving-1", "new")
+
+    assert resolve_sharded_directory(tmp_path / "last.ckpt") == replaced
+    assert sharded_directory(tmp_path / "last.ckpt") == replaced

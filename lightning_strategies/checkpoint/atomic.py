@@ -158,6 +158,13 @@ def replaced_name(target: Path, save_id: str) -> Path:
     return target.with_name(f".{target.name}.replaced-{save_id}")
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def replace_directory(staging: Path, target: Path, save_id: str) -> None:
     """Puts the complete directory ``staging`` at ``target``; a directory already there is removed afterwards.
 
@@ -168,10 +175,10 @@ def replace_directory(staging: Path, target: Path, save_id: str) -> None:
     if not target.exists():
         os.rename(staging, target)
     elif _exchange(staging, target):
-        shutil.rmtree(staging, ignore_errors=True)  # now the previous directory
+        _remove(staging)  # now what was at target: the previous directory (or a file)
     else:
         previous = replaced_name(target, save_id)
         os.rename(target, previous)
         os.rename(staging, target)
-        shutil.rmtree(previous, ignore_errors=True)
+        _remove(previous)
     fsync_directory(target.parent)

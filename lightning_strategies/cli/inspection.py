@@ -199,6 +199,15 @@ def model_state_findings(report: Inspection, state: Any, expected: Mapping[str, 
             )
         else:
             report.add("error", "wrapper-prefix", message + f" Repair: lightning-strategies convert {source} OUT", True)
+    nested = [name for name in key_map.values() if "module" in name.split(".")[1:-1]]
+    if not flat and nested and len(nested) == sum(name.count(".") > 1 for name in key_map.values()):
+        report.add(
+            "warning",
+            "nested-wrapper",
+            f"Every nested key has a 'module' segment inside its path (e.g. {nested[0]!r}): a wrapper such as DDP"
+            " around submodules, below the top of the model. Unless the model has submodules named 'module', a strict"
+            " load reports missing and unexpected keys; compare with --module PKG.MOD:CLASS.",
+        )
     if expected is not None and not flat:
         # Compared by canonical names: a prefix is already a finding, the question here is whether the tensors fit.
         canonical = {key_map[key]: value for key, value in state.items()}
