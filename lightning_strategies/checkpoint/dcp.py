@@ -26,6 +26,7 @@ from typing import Any, Final
 
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.futures import Future
 
-from lightning_strategies.checkpoint.errors import CheckpointFormatError
+from lightning_strategies.checkpoint.errors import CheckpointFormatError, OptimizerStateMismatchError
 
 DCP_METADATA_FILE: Final = ".metadata"
 STAMP_PREFIX: Final = "lightning_strategies.save.rank"
@@ -302,3 +303,52 @@ def iter_dcp_items(directory: Path, metadata: Metadata) -> Iterator[tuple[str, A
             target = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)}
             load_dcp_items(target, directory)
             yield key, target[key]
+
+
+def check_dcp_optimizer_states(templates: list[dict[str, Any]], stored: Metadata, *, source: str) -> None:
+    """Refuses a DCP directory's optimizer states when they do not fit the optimizers, before anything is loaded.
+
+    Args:
+        templates: Each optimizer's state as torch's distributed state-dict API gives it (DCP's load template).
+        stored: The directory's metadata.
+        source: How error messages name the directory.
+
+    Raises:
+        OptimizerStateMismatchError: Another number of optimizers or param groups, entries the template needs that are
+            missing or of another shape, or state for parameters the model does not have.
+    """
+    paths = stored.planner_data if isinstance(stored.planner_data, dict) else {}
+    saved_count = len({path[1] for path in paths.values() if len(path) > 1 and path[0] == "optimizers"})
+    if saved_count != len(templates):
+        raise OptimizerStateMismatchError(
+            f"{source} holds {saved_count} optimizer state(s), but configure_optimizers() returned"
+            f" {len(templates)}; nothing was loaded. Return the same optimizers as the run that saved it."
+        )
+    items = stored.state_dict_metadata
+    for index, template in enumerate(templates):
+        flat, _ = flatten_state_dict({"optimizers": {str(index): template}})
+        problems: list[str] = []
+        groups = {
+            str(path[3])
+            for path in paths.values()
+            if len(path) > 3 and path[0] == "optimizers" and str(path[1]) == str(index) and path[2] == "param_groups"
+        }
+        if len(groups) != len(template["param_groups"]):
+            problems.append(f"{len(groups)} param group(s) saved, the optimizer has {len(template['param_groups'])}")
+        for key, value in flat.items():
+            item = items.get(key)
+            if item is None:
+                problems.append(f"{key!r} is missing")
+            elif isinstance(value, Tensor) and (
+                not isinstance(item, TensorStorageMetadata) or tuple(item.size) != tuple(value.shape)
+            ):
+                size = tuple(item.size) if isinstance(item, TensorStorageMetadata) else "not a tensor"
+                problems.append(f"{key!r} has shape {size}, the optimizer's is {tuple(value.shape)}")
+        prefix = f"optimizers.{index}.state."
+        extra = [key for key in items if key.startswith(prefix) and key not in flat]
+        problems += [f"{key!r} belongs to no parameter of this model" for key in extra[:3]]
+        if problems:
+            raise OptimizerStateMismatchError(
+                f"{source}, optimizer {index}: the saved state does not fit; nothing was loaded.\n  "
+                + "\n  ".join(problems[:10])
+            )

@@ -15,9 +15,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 from torch.distributed._composable.checkpoint_activation import checkpoint as activation_checkpoint
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,11 +36,15 @@ from typing_extensions import override
 from lightning_strategies.checkpoint import (
     CheckpointFormatError,
     CheckpointMetadata,
-    OptimizerStateMismatchError,
     check_model_state,
 )
 from lightning_strategies.checkpoint.atomic import raise_if_disk_full
-from lightning_strategies.checkpoint.dcp import dcp_stamps, dcp_tensor_layout, safe_dcp_load
+from lightning_strategies.checkpoint.dcp import (
+    check_dcp_optimizer_states,
+    dcp_stamps,
+    dcp_tensor_layout,
+    safe_dcp_load,
+)
 from lightning_strategies.checkpoint.flat import gather_to_rank0
 from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed
 from lightning_strategies.checkpoint.sharded import ShardedCheckpoint, open_sharded, read_dcp_files, sharded_directory
@@ -358,50 +361,6 @@ class FSDP2Strategy(DirectReferenceStrategy):
         # Lightning checks that optimizer states exist before asking the strategy to load them.
         return {**sharded.meta, "state_dict": {}, "optimizer_states": []}
 
-    def _check_sharded_optimizers(self, templates: list[dict[str, Any]], stored: Metadata) -> None:
-        """Refuses sharded optimizer states that do not fit the optimizers, before anything is loaded."""
-        source = self._checkpoint_source
-        paths = stored.planner_data if isinstance(stored.planner_data, dict) else {}
-        saved_count = len({path[1] for path in paths.values() if len(path) > 1 and path[0] == "optimizers"})
-        if saved_count != len(templates):
-            raise OptimizerStateMismatchError(
-                f"{source} holds {saved_count} optimizer state(s), but configure_optimizers() returned"
-                f" {len(templates)}; nothing was loaded. Return the same optimizers as the run that saved it."
-            )
-        items = stored.state_dict_metadata
-        for index, template in enumerate(templates):
-            flat, _ = flatten_state_dict({"optimizers": {str(index): template}})
-            problems: list[str] = []
-            groups = {
-                str(path[3])
-                for path in paths.values()
-                if len(path) > 3
-                and path[0] == "optimizers"
-                and str(path[1]) == str(index)
-                and path[2] == "param_groups"
-            }
-            if len(groups) != len(template["param_groups"]):
-                problems.append(
-                    f"{len(groups)} param group(s) saved, the optimizer has {len(template['param_groups'])}"
-                )
-            for key, value in flat.items():
-                item = items.get(key)
-                if item is None:
-                    problems.append(f"{key!r} is missing")
-                elif isinstance(value, Tensor) and (
-                    not isinstance(item, TensorStorageMetadata) or tuple(item.size) != tuple(value.shape)
-                ):
-                    size = tuple(item.size) if isinstance(item, TensorStorageMetadata) else "not a tensor"
-                    problems.append(f"{key!r} has shape {size}, the optimizer's is {tuple(value.shape)}")
-            prefix = f"optimizers.{index}.state."
-            extra = [key for key in items if key.startswith(prefix) and key not in flat]
-            problems += [f"{key!r} belongs to no parameter of this model" for key in extra[:3]]
-            if problems:
-                raise OptimizerStateMismatchError(
-                    f"{source}, optimizer {index}: the saved state does not fit; nothing was loaded.\n  "
-                    + "\n  ".join(problems[:10])
-                )
-
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self._sharded_checkpoint is None:
@@ -417,7 +376,8 @@ class FSDP2Strategy(DirectReferenceStrategy):
         )
         if self._restoring_optimizers(checkpoint):
             optimizers = self._raw_optimizers()
-            self._check_sharded_optimizers([get_optimizer_state_dict(module, opt) for opt in optimizers], stored)
+            templates = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
+            check_dcp_optimizer_states(templates, stored, source=sharded.source)
         model_state = {key: value for key, value in get_model_state_dict(module).items() if key in saved_model}
         safe_dcp_load({"model": model_state}, sharded.directory)  # reshards to this world size
         set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict))
