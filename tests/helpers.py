@@ -12,6 +12,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import Strategy
+from torch.distributed.tensor import DTensor
 
 from lightning_strategies import ShardedDDPStrategy
 from lightning_strategies.testing import ConformanceModel, SaveAfterRestore
@@ -111,6 +112,39 @@ class GuardedShardedStrategy(ShardedDDPStrategy):
 
     def read(self) -> list[bool]:
         return [json.loads(path.read_text()) for path in sorted(self.directory.glob("unchanged-rank*.json"))]
+
+
+def _local_weights(strategy: Strategy) -> list[torch.Tensor]:
+    """This rank's own tensors of the (wrapped) model: flat shards, DTensor local shards, whole tensors, buffers."""
+    module = strategy.model or strategy.lightning_module
+    tensors = [*module.parameters(), *module.buffers()]
+    local = [tensor.to_local() if isinstance(tensor, DTensor) else tensor for tensor in tensors]
+    return [tensor.detach().clone() for tensor in local]
+
+
+def guarded_strategy(cls: type[Strategy], directory: Path, **kwargs: Any) -> Strategy:
+    """``cls(start_method="fork", **kwargs)`` that records, on each rank whose restore failed, whether that rank's
+    weights (its shards) are bit-identical to the ones before the restore: ``<dir>/unchanged-rank<r>.json``."""
+
+    class Guarded(cls):  # type: ignore[valid-type,misc]
+        def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+            before = _local_weights(self)
+            try:
+                super().load_model_state_dict(checkpoint, strict=strict)
+            except Exception:
+                after = _local_weights(self)
+                unchanged = len(before) == len(after) and all(map(torch.equal, before, after))
+                (directory / f"unchanged-rank{self.global_rank}.json").write_text(json.dumps(unchanged))
+                raise
+
+    Guarded.__name__ = Guarded.__qualname__ = f"Guarded{cls.__name__}"
+    strategy: Strategy = Guarded(start_method="fork", **kwargs)
+    return strategy
+
+
+def unchanged_reports(directory: Path) -> list[bool]:
+    """What :func:`guarded_strategy` recorded, one entry per rank that refused."""
+    return [json.loads(path.read_text()) for path in sorted(directory.glob("unchanged-rank*.json"))]
 
 
 def assert_resume_restores_exactly(

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import pytorch_lightning as pl
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_strategies import FSDP2Strategy, ShardedDDPStrategy
 from lightning_strategies.strategies.base import DirectReferenceStrategy
@@ -64,6 +66,28 @@ def test_different_strategy_options_on_two_ranks_are_refused_naming_both(
     message = str(refused.value)
     assert "strategy's options" in message and f"rank 1 has {value!r}" in message
     assert "configure the strategy the same way" in message
+
+
+@pytest.mark.parametrize(
+    ("strategy", "option", "value", "shown"),
+    [
+        ("fsdp2_fork", "_mixed_precision", MixedPrecisionPolicy(param_dtype=torch.bfloat16), "'torch.bfloat16'"),
+        (
+            "fsdp_fairscale_fork",
+            "_fsdp_kwargs",
+            {"state_dict_on_rank_0_only": True, "compute_dtype": torch.float16},
+            "'compute_dtype': 'torch.float16'",
+        ),
+    ],
+    ids=["fsdp2-MixedPrecisionPolicy", "fsdp_fairscale-dtype"],
+)
+def test_options_that_are_not_plain_values_are_compared_by_value(
+    strategy: str, option: str, value: Any, shown: str
+) -> None:
+    with pytest.raises(Exception, match=DISAGREE) as refused:
+        fit(strategy, new_model(), callbacks=[RankOneOption(option, value)], max_epochs=1)
+    message = str(refused.value)
+    assert f"{option.lstrip('_')}: rank 0 has" in message and shown in message
 
 
 def test_different_save_paths_on_two_ranks_are_refused_naming_both(tmp_path: Path) -> None:

@@ -107,3 +107,66 @@ def test_the_default_checkpoint_io_never_loads_with_weights_only_false(tmp_path:
         io.load_checkpoint(path)
     with pytest.raises(ValueError, match="weights_only=False"):
         io.load_checkpoint(path, weights_only=False)
+
+
+# torch.distributed.checkpoint unpickles too: FileSystemReader.read_metadata with plain pickle, DefaultLoadPlanner's
+# non-tensor items with weights_only=False. Only checkpoint/dcp.py may touch those; everything else reads through it.
+DCP_READER = "checkpoint/dcp.py"
+
+
+def _dcp_load_names(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and node.module in ("torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict_loader")
+        for alias in node.names
+        if alias.name == "load"
+    }
+
+
+def test_only_the_safe_dcp_reader_touches_torchs_unpickling_dcp_classes() -> None:
+    unsafe = {"FileSystemReader", "DefaultLoadPlanner", "read_metadata", "load_bytes"}
+    offending = [
+        _where(path, call)
+        for path in SOURCES
+        if str(path.relative_to(PACKAGE)) != DCP_READER
+        for call in _calls(path)
+        if (call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", None)) in unsafe
+    ]
+    assert not offending, "DCP reads outside lightning_strategies/checkpoint/dcp.py:\n" + "\n".join(offending)
+
+
+def test_every_dcp_load_goes_through_the_safe_reader_and_planner() -> None:
+    loads = [
+        (path, call)
+        for path in SOURCES
+        for call in _calls(path)
+        if (isinstance(call.func, ast.Name) and call.func.id in _dcp_load_names(path))
+        or ast.unparse(call.func) in ("dcp.load", "torch.distributed.checkpoint.load")
+    ]
+    assert loads, "no DCP load found: scan broken"
+    offending = [
+        _where(path, call)
+        for path, call in loads
+        if {keyword.arg: ast.unparse(keyword.value) for keyword in call.keywords}.get("storage_reader", "")
+        != "SafeFileSystemReader(directory)"
+        or "planner" not in {keyword.arg for keyword in call.keywords}
+        or str(path.relative_to(PACKAGE)) != DCP_READER
+    ]
+    assert not offending, "DCP loads that torch's own reader or planner could unpickle in:\n" + "\n".join(offending)
+
+
+def test_every_unpickler_of_the_package_resolves_globals_from_an_allowlist() -> None:
+    unpicklers = [
+        (path, node)
+        for path in SOURCES
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and any("Unpickler" in ast.unparse(base) for base in node.bases)
+    ]
+    assert unpicklers, "no unpickler found: scan broken"
+    for path, node in unpicklers:
+        methods = {item.name: item for item in node.body if isinstance(item, ast.FunctionDef)}
+        assert "find_class" in methods, f"{path}: {node.name} resolves any global"
+        assert "super()" not in ast.unparse(methods["find_class"]), f"{path}: {node.name} defers to pickle's lookup"

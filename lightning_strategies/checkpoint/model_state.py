@@ -89,12 +89,26 @@ def _wrapper_prefix_hint(unexpected: list[str], expected: Mapping[str, Any]) -> 
     return ""
 
 
+def unusable_tensor(tensor: Tensor) -> str:
+    """Why ``tensor`` cannot be copied into a parameter (a meta tensor holds no data, a sparse one no dense layout).
+
+    Returns:
+        The reason, or ``""`` when it is a dense tensor with data.
+    """
+    if tensor.device.type == "meta":
+        return "is a meta-device tensor (shape only, no data)"
+    if tensor.layout != torch.strided:
+        return f"has the {str(tensor.layout).removeprefix('torch.')} layout, not a dense (strided) tensor"
+    return ""
+
+
 def check_model_state(
     expected: Mapping[str, Any],
     state: Mapping[str, Any],
     *,
     strict: bool = True,
     source: str = "the checkpoint",
+    shapes_only: bool = False,
 ) -> None:
     """Checks that ``state`` fits a model whose canonical state looks like ``expected``.
 
@@ -103,6 +117,8 @@ def check_model_state(
         state: The state to load, e.g. ``checkpoint["state_dict"]``.
         strict: Whether missing and unexpected keys are errors (as in ``Module.load_state_dict``).
         source: How to name the state in error messages (usually the checkpoint path).
+        shapes_only: ``state`` describes tensors (meta tensors of a sharded checkpoint's layout) rather than holding
+            them: their data is not required.
 
     Raises:
         ModelStateMismatchError: Naming the missing keys, unexpected keys, shape and dtype mismatches.
@@ -125,6 +141,8 @@ def check_model_state(
             continue
         if not isinstance(got, Tensor):
             mismatched.append(f"{key!r}: expected a tensor of shape {tuple(want.shape)}, found {type(got).__name__}")
+        elif not shapes_only and unusable_tensor(got):
+            mismatched.append(f"{key!r}: {unusable_tensor(got)}")
         elif got.shape != want.shape:
             mismatched.append(f"{key!r}: checkpoint has shape {tuple(got.shape)}, model expects {tuple(want.shape)}")
         elif _dtype_kind(got.dtype) != _dtype_kind(want.dtype):

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_strategies.checkpoint.errors import OptimizerStateMismatchError
+from lightning_strategies.checkpoint.model_state import unusable_tensor
 
 # Per-parameter state entries that have the parameter's own shape in torch's optimizers. Others (Adafactor's
 # factored row/column statistics, scalars such as "step") are not shape-checked.
@@ -87,6 +88,10 @@ def check_optimizer_state(
         if not isinstance(param_state, Mapping):
             raise OptimizerStateMismatchError(f"{where}: state of parameter {index!r} is not a dict.")
         for key, value in param_state.items():
+            if isinstance(value, Tensor) and unusable_tensor(value):
+                raise OptimizerStateMismatchError(
+                    f"{where}: state {key!r} of parameter {index!r} {unusable_tensor(value)}."
+                )
             if key in PARAM_SHAPED_STATE and isinstance(value, Tensor) and value.shape != shape_of_index[index]:
                 raise OptimizerStateMismatchError(
                     f"{where}: state {key!r} of parameter {index!r} has shape {tuple(value.shape)}, the parameter has"

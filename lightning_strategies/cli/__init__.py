@@ -18,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 from .._flavour import LIGHTNING, PYTORCH_LIGHTNING, flavour_of
+from ..checkpoint.errors import CheckpointError
 from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CommandError, UsageError
 from .consolidate import consolidate_checkpoint
 from .convert import CONVERTED_STRATEGY, convert_checkpoint
@@ -211,4 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as error:
         print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
         return error.exit_code
+    except CheckpointError as error:  # a checkpoint that cannot be read: named, never a traceback
+        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_FAILED
     return code

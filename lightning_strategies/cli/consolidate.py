@@ -13,7 +13,6 @@ optimizer layout, the same Lightning entries (loops, schedulers, callbacks) and 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,20 +20,23 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from lightning_strategies.checkpoint import METADATA_KEY, CheckpointError, CheckpointMetadata, strip_wrapper_segments
 from lightning_strategies.checkpoint.atomic import atomic_torch_save
+from lightning_strategies.checkpoint.dcp import dcp_tensor_count, iter_dcp_items
 from lightning_strategies.checkpoint.flat import split_full
 from lightning_strategies.checkpoint.optimizer_state import name_keyed_to_canonical
-from lightning_strategies.checkpoint.sharded import SHARDED_LAYOUT_KEY, SHARDED_RANK_FILE_PATTERN, read_sharded_meta
+from lightning_strategies.checkpoint.sharded import (
+    INNER_WRAPPER_SEGMENTS,
+    SHARDED_LAYOUT_KEY,
+    ShardedCheckpoint,
+    open_sharded,
+    rank_file_paths,
+    read_dcp_files,
+    read_rank_file,
+)
 
 from ._common import CommandError, Progress, existing_input, writable_output
-from .inspection import DCP_METADATA_FILE, INNER_WRAPPER_SEGMENTS
 
 SUPPORTED_LAYOUT_VERSION = 1
 
@@ -79,21 +81,17 @@ def _same_layout(layout: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
     return all(layout.get(key) == other.get(key) for key in ("version", "world_size", "units", "optimizers"))
 
 
-def _fairscale(directory: Path, world_size: int, show_progress: bool) -> tuple[dict[str, Any], list[Any], int]:
-    rank_files = {
-        int(match[1]): path for path in directory.iterdir() if (match := SHARDED_RANK_FILE_PATTERN.match(path.name))
-    }
-    missing = sorted(set(range(world_size)) - set(rank_files))
-    if missing:
-        raise CommandError(
-            f"{directory} lacks {', '.join(f'rank{rank}.pt' for rank in missing)} (written at world size {world_size})."
-        )
-    # Memory-mapped: a shard's bytes are read when its tensors are concatenated, not all up front.
-    shards = [
-        torch.load(rank_files[rank], map_location="cpu", weights_only=True, mmap=True) for rank in range(world_size)
-    ]
-    layouts = [shard.get(SHARDED_LAYOUT_KEY) for shard in shards]
-    if any(layout is None for layout in layouts):
+def _fairscale(sharded: ShardedCheckpoint, show_progress: bool) -> tuple[dict[str, Any], list[Any], int]:
+    directory, world_size = sharded.directory, sharded.world_size
+    # Each file checked to be this save's shard of its rank; memory-mapped: a shard's bytes are read when its tensors
+    # are concatenated, not all up front.
+    shards = [read_rank_file(sharded, rank, mmap=True) for rank in range(len(rank_file_paths(sharded)))]
+    layouts: list[Mapping[str, Any]] = []
+    for shard in shards:
+        layout = shard.get(SHARDED_LAYOUT_KEY)
+        if isinstance(layout, Mapping):
+            layouts.append(layout)
+    if len(layouts) != len(shards):
         raise CommandError(
             f"{directory}: the rank files hold no {SHARDED_LAYOUT_KEY!r} block (written by an older"
             " lightning_strategies), so the flat shards cannot be cut into parameters offline. Resume it with"
@@ -102,8 +100,12 @@ def _fairscale(directory: Path, world_size: int, show_progress: bool) -> tuple[d
     layout = layouts[0]
     if layout.get("version", 0) > SUPPORTED_LAYOUT_VERSION:
         raise CommandError(f"{directory}: layout version {layout['version']} is newer than this lightning_strategies.")
-    if not all(_same_layout(layout, other) for other in layouts[1:]):
-        raise CommandError(f"{directory}: the rank files describe different layouts; they come from different saves.")
+    for rank, other in enumerate(layouts[1:], start=1):
+        if not _same_layout(layout, other):
+            raise CommandError(
+                f"{directory}: rank{rank}.pt describes another layout than rank0.pt: they come from different models"
+                " or wrappings."
+            )
     units = layout["units"]
     for unit in units:
         if unit["world_size"] != world_size:
@@ -183,43 +185,16 @@ def _fairscale_optimizer(
 # ---------------------------------------------------------------------------------------------- DCP
 
 
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """Loads into a flat ``{key: tensor or placeholder}`` dict; non-tensor items never run code when unpickled."""
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
-        # torch's planner unpickles these with weights_only=False; a checkpoint must never run code here.
-        self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
-
-
-def _load_items(items: dict[str, Any], reader: FileSystemReader) -> None:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # no process group: intended
-        dcp_load(items, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=True)
-
-
-def _dcp(directory: Path, show_progress: bool) -> tuple[dict[str, Any], list[Any], int]:
-    reader = FileSystemReader(str(directory))
-    metadata = reader.read_metadata()
+def _dcp(sharded: ShardedCheckpoint, show_progress: bool) -> tuple[dict[str, Any], list[Any], int]:
+    directory = sharded.directory
+    metadata = read_dcp_files(sharded)  # .metadata read safely; every .distcp file there, whole, of this save
     paths: dict[str, tuple[Any, ...]] = dict(metadata.planner_data or {})
-    items = metadata.state_dict_metadata
-    tensors = [key for key, item in items.items() if isinstance(item, TensorStorageMetadata)]
-    others: dict[str, Any] = {key: None for key, item in items.items() if not isinstance(item, TensorStorageMetadata)}
-    if others:  # hyper-parameters and parameter names: small, read together
-        _load_items(others, reader)
-    values: dict[str, Any] = dict(others)
-    bar = Progress(len(tensors), "consolidating", show_progress)
+    values: dict[str, Any] = {}
+    bar = Progress(dcp_tensor_count(metadata), "consolidating", show_progress)
     try:
-        for key in tensors:
-            item = items[key]
-            if not isinstance(item, TensorStorageMetadata):  # for the type checker; filtered above
-                continue
-            target = {key: torch.empty(item.size, dtype=item.properties.dtype)}
-            _load_items(target, reader)
-            values[key] = target[key]
-            bar.advance()
+        for key, value in iter_dcp_items(directory, metadata):
+            values[key] = value
+            bar.advance(int(isinstance(value, Tensor)))
     finally:
         bar.close()
     state: dict[str, Any] = {}
@@ -282,20 +257,26 @@ def consolidate_checkpoint(
     existing_input(directory, directory=True)
     writable_output(out, directory, force=force)
     try:
-        meta, metadata, _ = read_sharded_meta(directory)
-    except CheckpointError as error:
+        sharded = open_sharded(directory)
+        if sharded.format == "torch.distributed.checkpoint":
+            state, optimizer_states, optimizer_tensors = _dcp(sharded, show_progress)
+        else:
+            state, optimizer_states, optimizer_tensors = _fairscale(sharded, show_progress)
+    except (CheckpointError, FileNotFoundError) as error:
         raise CommandError(str(error)) from error
-    if (directory / DCP_METADATA_FILE).exists():
-        source_format = "torch.distributed.checkpoint"
-        state, optimizer_states, optimizer_tensors = _dcp(directory, show_progress)
-    elif any(SHARDED_RANK_FILE_PATTERN.match(path.name) for path in directory.iterdir()):
-        source_format = "fairscale FSDP local shards"
-        state, optimizer_states, optimizer_tensors = _fairscale(directory, metadata.world_size, show_progress)
-    else:
-        raise CommandError(f"{directory} has meta.pt but no shards (rank<r>.pt files or a {DCP_METADATA_FILE}).")
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, OSError) as error:
+        # What the checks above cannot see (damaged bytes inside a shard, a layout block edited by hand): named.
+        raise CommandError(
+            f"{directory}: its shards are damaged or inconsistent ({type(error).__name__}: {error}); nothing was"
+            " written. Use another checkpoint."
+        ) from error
+    metadata = sharded.metadata
     full = CheckpointMetadata(metadata.format_version, metadata.strategy, metadata.world_size, "full").to_dict()
-    checkpoint = {**meta, "state_dict": state, METADATA_KEY: full}
+    checkpoint = {**sharded.meta, "state_dict": state, METADATA_KEY: full}
     if optimizer_states:  # the shards always hold a list; an empty one means the save had no optimizer state
         checkpoint["optimizer_states"] = optimizer_states
-    atomic_torch_save(checkpoint, out)
-    return Consolidation(out, source_format, full, len(state), optimizer_tensors)
+    try:
+        atomic_torch_save(checkpoint, out)
+    except OSError as error:
+        raise CommandError(str(error)) from error
+    return Consolidation(out, sharded.format, full, len(state), optimizer_tensors)

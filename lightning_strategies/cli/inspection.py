@@ -7,12 +7,8 @@ states that hold one rank's shard. Nothing here imports Lightning, and files are
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import os
 import re
-import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,36 +16,39 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 from torch.nn import Module
-from torch.optim import Optimizer
 
 from lightning_strategies.checkpoint import (
     METADATA_KEY,
     WRAPPER_PREFIXES,
     CheckpointError,
+    CheckpointFormatError,
     CheckpointMetadata,
     check_model_state,
-    check_optimizer_states,
-    param_group_shapes,
     read_checkpoint,
     strip_wrapper_segments,
 )
+from lightning_strategies.checkpoint.dcp import dcp_tensor_layout, iter_dcp_items
 from lightning_strategies.checkpoint.optimizer_state import PARAM_SHAPED_STATE
 from lightning_strategies.checkpoint.sharded import (
+    INNER_WRAPPER_SEGMENTS,
     SHARDED_LAYOUT_KEY,
     SHARDED_META_FILE,
-    SHARDED_RANK_FILE_PATTERN,
-    read_sharded_meta,
+    ShardedCheckpoint,
+    fairscale_model_layout,
+    open_sharded,
+    rank_file_paths,
+    read_dcp_files,
+    read_rank_file,
 )
 
 from ._common import UsageError, human_bytes
+from .model_class import load_model_class, module_optimizer_findings
 
 Severity = Literal["error", "warning", "info"]
 
-# Wrapper attribute names that never name a user's submodule (they start with "_"): removed wherever they occur.
+# INNER_WRAPPER_SEGMENTS (wrapper attribute names that never name a user's submodule) are removed wherever they occur;
 # "module." is a common user name, so it is removed only as a prefix that every key carries.
-INNER_WRAPPER_SEGMENTS = tuple(prefix.rstrip(".") for prefix in WRAPPER_PREFIXES if prefix.startswith("_"))
 FLAT_PARAM_KEY = re.compile(r"(^|\.)flat_param(_\d+)?$")
-DCP_METADATA_FILE = ".metadata"
 
 
 @dataclass(frozen=True)
@@ -158,6 +157,7 @@ def model_state_findings(report: Inspection, state: Any, expected: Mapping[str, 
         report.add("error", "invalid-state-dict", f"'state_dict' should be a dict, found {type(state).__name__}.")
         return
     report.model = _tensor_summary(state)
+    _flag_non_finite(report, [str(key) for key, value in state.items() if _not_finite(value)])
     if not state:
         report.add(
             "error",
@@ -199,6 +199,15 @@ def model_state_findings(report: Inspection, state: Any, expected: Mapping[str, 
             )
         else:
             report.add("error", "wrapper-prefix", message + f" Repair: lightning-strategies convert {source} OUT", True)
+    nested = [name for name in key_map.values() if "module" in name.split(".")[1:-1]]
+    if not flat and nested and len(nested) == sum(name.count(".") > 1 for name in key_map.values()):
+        report.add(
+            "warning",
+            "nested-wrapper",
+            f"Every nested key has a 'module' segment inside its path (e.g. {nested[0]!r}): a wrapper such as DDP"
+            " around submodules, below the top of the model. Unless the model has submodules named 'module', a strict"
+            " load reports missing and unexpected keys; compare with --module PKG.MOD:CLASS.",
+        )
     if expected is not None and not flat:
         # Compared by canonical names: a prefix is already a finding, the question here is whether the tensors fit.
         canonical = {key_map[key]: value for key, value in state.items()}
@@ -335,86 +344,6 @@ def optimizer_findings(report: Inspection, states: Any, model_state: Mapping[str
             )
 
 
-# ---------------------------------------------------------------------------------------------- --module
-
-
-@contextlib.contextmanager
-def _working_directory_importable() -> Iterator[None]:
-    # `python -m` puts the working directory on sys.path, a console script does not; --module should work in both.
-    added = os.getcwd() not in sys.path
-    if added:
-        sys.path.insert(0, os.getcwd())
-    try:
-        yield
-    finally:
-        if added:
-            sys.path.remove(os.getcwd())
-
-
-def load_model_class(spec: str) -> Module:
-    """Imports ``pkg.module:Class`` and instantiates it with no arguments.
-
-    Raises:
-        UsageError: A malformed spec, an import that fails, no such class, or a constructor that fails.
-    """
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise UsageError(f"--module takes 'package.module:ClassName', got {spec!r}.")
-    with _working_directory_importable():
-        try:
-            target: Any = importlib.import_module(module_name)
-        except ImportError as error:
-            raise UsageError(f"--module: cannot import {module_name!r} ({error}). Is it on PYTHONPATH?") from error
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise UsageError(f"--module: {module_name!r} has no attribute {attribute!r}.")
-        target = getattr(target, part)
-    try:
-        instance = target()
-    except Exception as error:
-        raise UsageError(
-            f"--module: {spec}() failed ({type(error).__name__}: {error}); the class is instantiated with no arguments."
-        ) from error
-    if not isinstance(instance, Module):
-        raise UsageError(f"--module: {spec}() is a {type(instance).__name__}, not a torch.nn.Module.")
-    return instance
-
-
-def _optimizers_of(config: Any) -> list[Optimizer]:
-    """The optimizers in what ``configure_optimizers()`` returned (the usual forms Lightning accepts)."""
-    if isinstance(config, Optimizer):
-        return [config]
-    if isinstance(config, Mapping):
-        return _optimizers_of(config.get("optimizer"))
-    if isinstance(config, list | tuple):
-        if len(config) == 2 and isinstance(config[0], list | tuple):  # ([optimizers], [schedulers])
-            return _optimizers_of(config[0])
-        return [optimizer for item in config for optimizer in _optimizers_of(item)]
-    return []
-
-
-def module_optimizer_findings(report: Inspection, module: Module, states: Any) -> None:
-    """Checks the optimizer states against the optimizers the module's ``configure_optimizers()`` builds."""
-    configure = getattr(module, "configure_optimizers", None)
-    if states is None or not callable(configure):
-        return
-    try:
-        optimizers = _optimizers_of(configure())
-    except Exception as error:  # user code that needs a Trainer: skip this check, say why
-        report.add(
-            "info",
-            "optimizers-not-built",
-            f"configure_optimizers() failed outside a Trainer ({type(error).__name__}: {error}); the optimizer"
-            " states were checked without the model's optimizers.",
-        )
-        return
-    shapes = [param_group_shapes(optimizer) for optimizer in optimizers]
-    try:
-        check_optimizer_states(states, optimizers, shapes, source="The checkpoint")
-    except CheckpointError as error:
-        report.add("error", "optimizer-mismatch", str(error))
-
-
 # ---------------------------------------------------------------------------------------------- inputs
 
 
@@ -498,53 +427,43 @@ def inspect_file(path: Path, expected: Module | None = None) -> Inspection:
     return report
 
 
-def _meta_tensor(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
-    return torch.empty(tuple(shape), dtype=dtype, device="meta")
-
-
 def inspect_directory(path: Path, expected: Module | None = None) -> Inspection:
-    """Inspects a sharded checkpoint directory through its ``meta.pt`` and the shards' own descriptions."""
+    """Inspects a sharded checkpoint directory: ``meta.pt`` and every shard, each checked to belong to one save."""
     report = Inspection(str(path), "sharded checkpoint directory")
     if not (path / SHARDED_META_FILE).exists() and not any(path.iterdir()):
         report.add("error", "empty-directory", f"{path} is an empty directory, not a checkpoint.")
         return report
     try:
-        meta, metadata, _ = read_sharded_meta(path)
+        sharded = open_sharded(path)
     except CheckpointError as error:
         report.add("error", "incomplete-sharded", str(error))
         return report
-    report.written_by = metadata.to_dict()
-    report.lightning = _lightning_details(meta)
-    lr_schedulers = meta.get("lr_schedulers")
+    report.written_by = sharded.metadata.to_dict()
+    report.lightning = _lightning_details(sharded.meta)
+    lr_schedulers = sharded.meta.get("lr_schedulers")
     report.lr_schedulers = len(lr_schedulers) if isinstance(lr_schedulers, Sequence) else None
-    rank_files = sorted((p for p in path.iterdir() if SHARDED_RANK_FILE_PATTERN.match(p.name)), key=lambda p: p.name)
-    canonical: dict[str, Tensor] = {}  # meta tensors: names, shapes and dtypes of the full model
-    if (path / DCP_METADATA_FILE).exists():
-        report.sharded = {"format": "torch.distributed.checkpoint", "files": len(list(path.glob("*.distcp")))}
-        canonical = dcp_model_layout(path)
-        resumes = f"{metadata.strategy!r} at any world size"
-    elif rank_files:
-        report.sharded = {"format": "fairscale FSDP local shards", "files": len(rank_files)}
-        resumes = f"{metadata.strategy!r} at world size {metadata.world_size}"
-        ranks = {int(match[1]) for p in rank_files if (match := SHARDED_RANK_FILE_PATTERN.match(p.name))}
-        missing = sorted(set(range(metadata.world_size)) - ranks)
-        if missing:
-            report.add(
-                "error", "missing-shards", f"Rank file(s) {', '.join(f'rank{r}.pt' for r in missing)} are missing."
-            )
-        shard = torch.load(rank_files[0], map_location="cpu", weights_only=True, mmap=True)
-        layout = shard.get(SHARDED_LAYOUT_KEY)
-        if layout is None:
-            report.add(
-                "warning",
-                "no-layout",
-                "The rank files hold no layout block (written before lightning-strategies 0.1.0 could consolidate):"
-                f" resume with {resumes} and save with state_dict_type='full' to get a full checkpoint.",
-            )
+    strategy = sharded.metadata.strategy
+    try:
+        if sharded.format == "torch.distributed.checkpoint":
+            resumes = f"{strategy!r} at any world size"
+            dcp = read_dcp_files(sharded)  # every .distcp file there, whole, and of this save
+            report.sharded = {
+                "format": sharded.format,
+                "files": len({info.relative_path for info in dcp.storage_data.values()}),
+            }
+            canonical = dcp_tensor_layout(dcp, "model.")
+            # Every item read (one tensor at a time), as a resume or consolidate would: damage shows here.
+            non_finite = [key for key, value in iter_dcp_items(sharded.directory, dcp) if _not_finite(value)]
+            _flag_non_finite(report, non_finite)
         else:
-            canonical = fairscale_model_layout(shard["state_dict"], layout)
-    else:
-        report.add("error", "no-shards", f"{path} has {SHARDED_META_FILE} but no shards (rank*.pt or .metadata).")
+            resumes = f"{strategy!r} at world size {sharded.world_size}"
+            report.sharded = {"format": sharded.format, "files": len(rank_file_paths(sharded))}
+            canonical = _fairscale_shards(report, sharded)
+    except CheckpointError as error:
+        report.add("error", "bad-shard", str(error))
+        return report
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, OSError) as error:
+        report.add("error", "bad-shard", f"{path}: its shards are damaged ({type(error).__name__}: {error}).")
         return report
     if canonical:
         report.model = _tensor_summary(canonical)
@@ -556,42 +475,65 @@ def inspect_directory(path: Path, expected: Module | None = None) -> Inspection:
     )
     if expected is not None and canonical:
         try:
-            check_model_state(expected.state_dict(), canonical, source="The checkpoint")
+            check_model_state(expected.state_dict(), canonical, source="The checkpoint", shapes_only=True)
         except CheckpointError as error:
             report.add("error", "model-mismatch", str(error))
     return report
 
 
-def fairscale_model_layout(local_state: Mapping[str, Any], layout: Mapping[str, Any]) -> dict[str, Tensor]:
-    """Canonical names, shapes and dtypes (as meta tensors) of a fairscale rank file's full model."""
-    result: dict[str, Tensor] = {}
-    unit_keys = set()
-    for unit in layout["units"]:
-        unit_keys.add(unit["key"])
-        dtype = local_state[unit["key"]].dtype
-        for name, shape in zip(unit["names"], unit["shapes"], strict=True):
-            result[name] = _meta_tensor(shape, dtype)
-    aliases: dict[str, str] = dict(layout.get("aliases", {}))
-    for alias, holder in aliases.items():
-        if holder in result:
-            result[alias] = result[holder]
-    for key, value in local_state.items():
-        if key not in unit_keys and key not in aliases and isinstance(value, Tensor):
-            result[strip_wrapper_segments(key, INNER_WRAPPER_SEGMENTS)] = _meta_tensor(value.shape, value.dtype)
-    return result
+def _without_rank(layout: Any) -> Any:
+    return {key: value for key, value in layout.items() if key != "rank"} if isinstance(layout, Mapping) else layout
 
 
-def dcp_model_layout(path: Path) -> dict[str, Tensor]:
-    """Names, global shapes and dtypes (as meta tensors) of the model in a ``torch.distributed.checkpoint`` dir."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def _not_finite(value: Any) -> bool:
+    return (
+        isinstance(value, Tensor)
+        and (value.is_floating_point() or value.is_complex())
+        and value.device.type != "meta"
+        and value.layout == torch.strided
+        and not bool(torch.isfinite(value).all())
+    )
 
-    metadata = FileSystemReader(str(path)).read_metadata()
-    return {
-        key.removeprefix("model."): _meta_tensor(item.size, item.properties.dtype)
-        for key, item in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
-    }
+
+def _flag_non_finite(report: Inspection, names: Sequence[str]) -> None:
+    if names:
+        report.add(
+            "error",
+            "non-finite",
+            f"{len(names)} tensor(s) hold NaN or Inf ({_listing(list(names))}): training diverged before this save,"
+            " and resuming trains on from there. Resume from an earlier checkpoint.",
+        )
+
+
+def _fairscale_shards(report: Inspection, sharded: ShardedCheckpoint) -> dict[str, Tensor]:
+    """Reads every rank file (memory-mapped), checks they share one layout, flags NaN/Inf; the full model's layout."""
+    canonical: dict[str, Tensor] = {}
+    first_layout: Any = None
+    non_finite: list[str] = []
+    for rank, _ in enumerate(rank_file_paths(sharded)):
+        shard = read_rank_file(sharded, rank, mmap=True)
+        state = shard.get("state_dict")
+        layout = shard.get(SHARDED_LAYOUT_KEY)
+        if not isinstance(state, Mapping):
+            raise CheckpointFormatError(f"{sharded.source}: rank{rank}.pt holds no 'state_dict'.")
+        non_finite += [f"rank{rank}.pt:{key}" for key, value in state.items() if _not_finite(value)]
+        if rank == 0:
+            first_layout = layout
+            if layout is None:
+                report.add(
+                    "warning",
+                    "no-layout",
+                    "The rank files hold no layout block (written before lightning-strategies 0.1.0 could"
+                    " consolidate): resume with the strategy that wrote it and save with state_dict_type='full'.",
+                )
+            else:
+                canonical = fairscale_model_layout(state, layout)
+        elif _without_rank(layout) != _without_rank(first_layout):
+            raise CheckpointFormatError(
+                f"{sharded.source}: rank{rank}.pt describes another layout than rank0.pt (another model or wrapping)."
+            )
+    _flag_non_finite(report, non_finite)
+    return canonical
 
 
 def inspect_path(path: Path, module_spec: str | None = None) -> Inspection:

@@ -10,7 +10,10 @@ to wrap and how to read/write its sharded state; see ``docs/`` ("Writing your ow
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import enum
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -40,8 +43,14 @@ from lightning_strategies.checkpoint import (
     require_full_checkpoint,
     to_cpu_state,
 )
-from lightning_strategies.checkpoint.errors import CheckpointFormatError
-from lightning_strategies.checkpoint.sharded import SHARDED_META_FILE, write_sharded_meta
+from lightning_strategies.checkpoint.atomic import raise_if_disk_full, replace_directory
+from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError
+from lightning_strategies.checkpoint.sharded import (
+    new_save_id,
+    remove_stale_saves,
+    staging_directory,
+    write_sharded_meta,
+)
 from lightning_strategies.checkpoint.training_state import holds_optimizer_state, resume_without_optimizer_state
 
 from .._lightning import (
@@ -111,7 +120,47 @@ class RanksDisagreeError(RuntimeError):
 
 
 # Attributes that hold run state, not options: they may differ between processes without harm.
-_RUN_STATE = frozenset({"_checkpoint_source", "_failure_timeout", "_failed"})
+_RUN_STATE = frozenset(
+    {
+        "_checkpoint_source",
+        "_failure_timeout",
+        "_failed",
+        "_sharded_source",  # each rank names its own rank file
+        "_sharded_checkpoint",
+    }
+)
+
+
+_NO_VALUE = object()
+
+
+def _by_value(value: Any, depth: int = 0) -> Any:
+    """``value`` as plain data that two ranks with equal options compute alike; ``_NO_VALUE`` when it has none."""
+    if value is None or isinstance(value, bool | int | float | str | timedelta):
+        return value
+    if depth > 8:
+        return _NO_VALUE
+    if isinstance(value, torch.dtype | torch.device):
+        return str(value)
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
+    parts: list[tuple[str, Any]]
+    if dataclasses.is_dataclass(value):
+        parts = [(field.name, getattr(value, field.name)) for field in dataclasses.fields(value)]
+        parts.insert(0, ("type", type(value).__qualname__))
+    elif isinstance(value, Mapping):
+        parts = sorted(((str(key), item) for key, item in value.items()), key=lambda pair: pair[0])
+    elif isinstance(value, list | tuple | set | frozenset):
+        items = [_by_value(item, depth + 1) for item in value]
+        if any(item is _NO_VALUE for item in items):
+            return _NO_VALUE
+        return sorted(items, key=repr) if isinstance(value, set | frozenset) else items
+    else:
+        return _NO_VALUE
+    converted = {key: _by_value(item, depth + 1) for key, item in parts}
+    return _NO_VALUE if any(item is _NO_VALUE for item in converted.values()) else converted
 
 
 def default_failure_timeout() -> float:
@@ -349,19 +398,18 @@ class DirectReferenceStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ ranks must agree
 
     def options_fingerprint(self) -> dict[str, Any]:
-        """What every rank's strategy must agree on: its class and the options that are plain values."""
+        """What every rank's strategy must agree on: its class and every option that has a value to compare.
+
+        Plain values, dtypes, devices, enums, classes, dataclasses (fsdp2's ``MixedPrecisionPolicy``) and containers
+        of these are compared by value; objects without one (modules, process groups, plugins) are left out.
+        """
         options: dict[str, Any] = {"class": f"{type(self).__module__}.{type(self).__qualname__}"}
         for name, value in sorted(vars(self).items()):
             if name in _RUN_STATE:
                 continue
-            if isinstance(value, tuple) and all(isinstance(item, type) for item in value):
-                options[name.lstrip("_")] = tuple(item.__qualname__ for item in value)  # e.g. module classes to shard
-            elif value is None or isinstance(value, bool | int | float | str | timedelta):
-                options[name.lstrip("_")] = value
-            elif isinstance(value, Mapping) and all(
-                isinstance(item, bool | int | float | str) for item in value.values()
-            ):
-                options[name.lstrip("_")] = dict(sorted(value.items()))  # e.g. keyword arguments for the wrapper
+            comparable = _by_value(value)
+            if comparable is not _NO_VALUE:
+                options[name.lstrip("_")] = comparable
         options["precision"] = type(self.precision_plugin).__qualname__
         return options
 
@@ -678,26 +726,40 @@ class DirectReferenceStrategy(ParallelStrategy):
             stamped = {**checkpoint, METADATA_KEY: self.checkpoint_metadata().to_dict()}
             self.checkpoint_io.save_checkpoint(stamped, filepath, storage_options=storage_options)
 
-    def save_sharded(self, checkpoint: dict[str, Any], directory: Path, write_shards: Callable[[], None]) -> None:
-        """Writes a sharded checkpoint directory whose ``meta.pt`` marks it complete.
+    def save_sharded(
+        self, checkpoint: dict[str, Any], directory: Path, write_shards: Callable[[Path, str], None]
+    ) -> None:
+        """Writes a sharded checkpoint directory atomically: the previous save stays until this one is whole.
 
-        ``meta.pt`` is removed before any shard changes and written (atomically, by rank 0) after every rank wrote
-        its shards, so a directory with ``meta.pt`` is never a mix of two saves or a partial one.
+        Rank 0 draws a save id; every rank writes its shards (stamped with the id and its rank) into a sibling
+        staging directory; rank 0 adds ``meta.pt`` and swaps the staging directory in (an atomic exchange on Linux).
+        A failure or a kill at any point leaves the previous complete checkpoint at ``directory``; a full disk is
+        reported as :class:`~lightning_strategies.checkpoint.atomic.DiskFullError`.
 
         Args:
             checkpoint: What Lightning dumped; its state entries are the ranks' shards.
             directory: The checkpoint directory.
-            write_shards: Writes this rank's shards into ``directory`` (a collective for some formats).
+            write_shards: Writes this rank's shards into the staging directory it is given, stamped with the save id
+                it is given (a collective for some formats).
         """
         self._require_same_save_path(directory)  # shards in different directories: none of them complete
+        save_id: str = self.broadcast(new_save_id() if self.is_global_zero else "")
+        staging = staging_directory(directory, save_id)
         if self.is_global_zero:
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / SHARDED_META_FILE).unlink(missing_ok=True)
+            remove_stale_saves(directory)
+            staging.mkdir(parents=True)
         self.barrier("sharded checkpoint started")
-        write_shards()
-        self.barrier("sharded checkpoint shards written")
-        if self.is_global_zero:
-            write_sharded_meta(self.checkpoint_io, checkpoint, self.checkpoint_metadata(), directory)
+        try:
+            write_shards(staging, save_id)
+            self.barrier("sharded checkpoint shards written")
+            if self.is_global_zero:
+                write_sharded_meta(self.checkpoint_io, checkpoint, self.checkpoint_metadata(), staging, save_id)
+                replace_directory(staging, directory, save_id)
+        except BaseException as error:
+            if self.is_global_zero:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise_if_disk_full(error, directory)
+            raise
         self.barrier("sharded checkpoint complete")
 
     # ------------------------------------------------------------------ state in: validated, then loaded
@@ -735,8 +797,29 @@ class DirectReferenceStrategy(ParallelStrategy):
                 resume_without_optimizer_state(checkpoint, len(self.optimizers), schedulers, self._checkpoint_source)
         self._load_canonical_model_state(checkpoint["state_dict"], strict=strict)
 
+    def _refuse_unless_every_rank_fits(self, problem: CheckpointError | None) -> None:
+        """Raises on every rank when the sharded state of any rank does not fit (a collective: all ranks call it).
+
+        Each rank validates its own shard; they agree before any of them loads, so a bad shard on one rank leaves
+        the weights of every rank untouched.
+        """
+        if _distributed_is_initialized() and torch.distributed.get_world_size() > 1:
+            everyone: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(everyone, None if problem is None else str(problem))
+            failed = [(rank, text) for rank, text in enumerate(everyone) if text is not None]
+            if problem is None and failed:
+                rank, text = failed[0]
+                raise CheckpointFormatError(f"Rank {rank} refused its shard; nothing was loaded. {text}")
+        if problem is not None:
+            raise problem
+
     def _restoring_optimizers(self, trainer: pl.Trainer) -> bool:
         return trainer.state.fn == TrainerFn.FITTING and self.lightning_restore_optimizer
+
+    def _restoring_sharded_optimizer_states(self, checkpoint: Mapping[str, Any]) -> bool:
+        """Whether a sharded load restores the optimizer states it holds (the Trainer fits and restores them)."""
+        trainer = self.require_lightning_module()._trainer
+        return trainer is not None and self._restoring_optimizers(trainer) and "optimizer_states" in checkpoint
 
     def _load_canonical_model_state(self, state: Mapping[str, Any], strict: bool) -> None:
         """Hook: puts canonical model state into the (wrapped) model. Default: the module holds whole tensors."""

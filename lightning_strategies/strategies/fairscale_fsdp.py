@@ -31,10 +31,12 @@ from typing_extensions import override
 
 from lightning_strategies import fairscale_cpu
 from lightning_strategies.checkpoint import (
+    CheckpointError,
     CheckpointFormatError,
     CheckpointMetadata,
     check_model_state,
-    read_checkpoint,
+    check_optimizer_states,
+    param_group_shapes,
     strip_wrapper_segments,
     to_cpu_state,
 )
@@ -44,7 +46,13 @@ from lightning_strategies.checkpoint.sharded import (
     SHARDED_LAYOUT_KEY,
     SHARDED_LAYOUT_VERSION,
     SHARDED_RANK_FILE,
-    read_sharded_meta,
+    SHARDED_SAVE_KEY,
+    fairscale_model_layout,
+    open_sharded,
+    rank_file_paths,
+    read_rank_file,
+    save_stamp,
+    sharded_directory,
 )
 
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl
@@ -355,6 +363,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._units: list[_Unit] = []
         self._layouts: dict[int, _Layout] = {}
         self._loaded_sharded = False
+        self._sharded_source = "the rank file"
         self._original_children: list[tuple[Module, str, Module]] = []
         self._state_key_order: list[str] = []
         self._routing: SubmoduleCallRouting | None = None
@@ -720,13 +729,17 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         directory = Path(filepath)
-        shard = {
-            "state_dict": checkpoint["state_dict"],
-            "optimizer_states": checkpoint.get("optimizer_states", []),
-            SHARDED_LAYOUT_KEY: self._sharded_layout(),
-        }
-        rank_file = directory / SHARDED_RANK_FILE.format(rank=self.global_rank)
-        self.save_sharded(checkpoint, directory, lambda: self.checkpoint_io.save_checkpoint(shard, rank_file))
+
+        def write_rank_file(staging: Path, save_id: str) -> None:
+            shard = {
+                "state_dict": checkpoint["state_dict"],
+                "optimizer_states": checkpoint.get("optimizer_states", []),
+                SHARDED_LAYOUT_KEY: self._sharded_layout(),
+                SHARDED_SAVE_KEY: save_stamp(save_id, self.world_size, self.global_rank),
+            }
+            self.checkpoint_io.save_checkpoint(shard, staging / SHARDED_RANK_FILE.format(rank=self.global_rank))
+
+        self.save_sharded(checkpoint, directory, write_rank_file)
 
     def _sharded_layout(self) -> dict[str, Any]:
         """What a rank file needs to be turned into canonical state offline (plain values, ``weights_only``-safe).
@@ -767,11 +780,12 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        directory = Path(checkpoint_path)
-        if not directory.is_dir():
+        directory = sharded_directory(checkpoint_path)
+        if directory is None:
             self._loaded_sharded = False
             return super().load_checkpoint(checkpoint_path, weights_only)
-        meta, metadata, source = read_sharded_meta(directory)
+        sharded = open_sharded(directory)
+        metadata, source = sharded.metadata, sharded.source
         self._checkpoint_source = source
         if metadata.strategy != self.strategy_name or metadata.world_size != self.world_size:
             raise CheckpointFormatError(
@@ -779,13 +793,43 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
                 f" {self.strategy_name!r} at world size {self.world_size}. A sharded checkpoint resumes only where it"
                 " was written: consolidate it into a full checkpoint (lightning-strategies consolidate) to move it."
             )
-        rank_path = directory / SHARDED_RANK_FILE.format(rank=self.global_rank)
-        if not rank_path.exists():
-            raise CheckpointFormatError(f"{source} lacks {rank_path.name}: the save did not finish on every rank.")
-        shard = read_checkpoint(rank_path)
-        shard.pop(SHARDED_LAYOUT_KEY, None)  # for consolidation only; loading goes through this run's own layout
+        if sharded.format != "fairscale FSDP local shards":
+            raise CheckpointFormatError(f"{source} holds {sharded.format} shards, not fsdp_fairscale rank files.")
+        rank_file_paths(sharded)  # every rank's file is there: a missing one is named on every rank
+        shard = read_rank_file(sharded, self.global_rank)
         self._loaded_sharded = True
-        return {**meta, **shard}
+        self._sharded_source = f"{source}: {SHARDED_RANK_FILE.format(rank=self.global_rank)}"
+        return {**sharded.meta, **shard}
+
+    def _sharded_problem(self, checkpoint: Mapping[str, Any], strict: bool) -> CheckpointError | None:
+        """Why this rank's shard does not fit this run (layout, local flat shards, optimizer states), or ``None``."""
+        where = self._sharded_source
+        saved, own = checkpoint.get(SHARDED_LAYOUT_KEY), self._sharded_layout()
+        try:
+            if not isinstance(saved, Mapping):
+                raise CheckpointFormatError(f"{where} holds no {SHARDED_LAYOUT_KEY!r} block.")
+            if any(saved.get(key) != own[key] for key in ("version", "world_size", "units", "optimizers")):
+                # Name the parameters that differ when the model differs; else the wrapping or param groups do.
+                described = fairscale_model_layout(checkpoint.get("state_dict", {}), saved)
+                check_model_state(self._expected_model_state(), described, source=where, shapes_only=True)
+                raise CheckpointFormatError(
+                    f"{where} was saved with another wrapping or other param groups (its flat parameters hold other"
+                    " parameters); nothing was loaded. Use the same auto_wrap_min_params, flatten_parameters,"
+                    " configure_model and configure_optimizers as the run that saved it, or consolidate it."
+                )
+            local = {
+                key: torch.empty(value.shape, dtype=value.dtype, device="meta")
+                for key, value in self._root().local_state_dict().items()
+                if isinstance(value, Tensor)
+            }
+            check_model_state(local, checkpoint.get("state_dict", {}), strict=True, source=where)
+            if self._restoring_sharded_optimizer_states(checkpoint):
+                optimizers = self._raw_optimizers()
+                shapes = [param_group_shapes(optimizer) for optimizer in optimizers]
+                check_optimizer_states(checkpoint["optimizer_states"], optimizers, shapes, source=where)
+        except CheckpointError as error:
+            return error
+        return None
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -795,6 +839,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         root = self._root()
         for _, instance in _fsdp_instances(root):
             instance._lazy_init()  # load_local_state_dict needs every instance initialised
+        # Every rank validates its shard (and optimizer states) and the ranks agree, before any weight changes.
+        self._refuse_unless_every_rank_fits(self._sharded_problem(checkpoint, strict))
         root.load_local_state_dict(checkpoint["state_dict"], strict=strict)
 
     @override

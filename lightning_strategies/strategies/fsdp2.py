@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -21,7 +23,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -36,9 +37,16 @@ from lightning_strategies.checkpoint import (
     CheckpointMetadata,
     check_model_state,
 )
+from lightning_strategies.checkpoint.atomic import raise_if_disk_full
+from lightning_strategies.checkpoint.dcp import (
+    check_dcp_optimizer_states,
+    dcp_stamps,
+    dcp_tensor_layout,
+    safe_dcp_load,
+)
 from lightning_strategies.checkpoint.flat import gather_to_rank0
 from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed
-from lightning_strategies.checkpoint.sharded import read_sharded_meta
+from lightning_strategies.checkpoint.sharded import ShardedCheckpoint, open_sharded, read_dcp_files, sharded_directory
 
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, pl
 from .._torch_private import composable_activation_checkpoint
@@ -155,7 +163,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         self._state_dict_type = state_dict_type
         self._broadcast_buffers = broadcast_buffers
         self._device_mesh: DeviceMesh | None = None
-        self._sharded_directory: Path | None = None
+        self._sharded_checkpoint: tuple[ShardedCheckpoint, Metadata] | None = None
         self._routing: SubmoduleCallRouting | None = None
 
     # ------------------------------------------------------------------ environment and sharding
@@ -375,44 +383,65 @@ class FSDP2Strategy(DirectReferenceStrategy):
             return
         directory = Path(filepath)
         sharded = {"model": checkpoint["state_dict"], "optimizers": checkpoint.get("optimizer_states", [])}
-        self.save_sharded(checkpoint, directory, lambda: dcp_save(sharded, checkpoint_id=directory))
+
+        def write_dcp(staging: Path, save_id: str) -> None:
+            try:
+                dcp_save({**sharded, **dcp_stamps(save_id, self.global_rank)}, checkpoint_id=staging)
+            except CheckpointException as error:  # does not survive the trip to the launching process: re-told
+                raise_if_disk_full(error, directory)
+                raise RuntimeError(f"Saving sharded checkpoint {str(directory)!r} failed: {error}") from None
+
+        self.save_sharded(checkpoint, directory, write_dcp)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        directory = Path(checkpoint_path)
-        if not directory.is_dir():
-            self._sharded_directory = None
+        directory = sharded_directory(checkpoint_path)
+        if directory is None:
+            self._sharded_checkpoint = None
             return super().load_checkpoint(checkpoint_path, weights_only)
-        meta, metadata, source = read_sharded_meta(directory)
-        self._checkpoint_source = source
-        if metadata.strategy != self.strategy_name:
+        sharded = open_sharded(directory)
+        self._checkpoint_source = source = sharded.source
+        if sharded.metadata.strategy != self.strategy_name or sharded.format != "torch.distributed.checkpoint":
             raise CheckpointFormatError(
-                f"{source} was not written by {self.strategy_name!r} with state_dict_type='sharded' ({metadata})."
-                " Consolidate it into a full checkpoint to load it with another strategy."
+                f"{source} was not written by {self.strategy_name!r} with state_dict_type='sharded'"
+                f" ({sharded.metadata}). Consolidate it into a full checkpoint to load it with another strategy."
             )
-        self._sharded_directory = directory
+        # .metadata read without running code; every .distcp file there, whole, and of this save.
+        self._sharded_checkpoint = (sharded, read_dcp_files(sharded))
         # Lightning checks that optimizer states exist before asking the strategy to load them.
-        return {**meta, "state_dict": {}, "optimizer_states": []}
+        return {**sharded.meta, "state_dict": {}, "optimizer_states": []}
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._sharded_directory is None:
+        if self._sharded_checkpoint is None:
             super().load_model_state_dict(checkpoint, strict)
             return
+        sharded, stored = self._sharded_checkpoint
         module = self.require_lightning_module()
-        model_state = get_model_state_dict(module)
-        dcp_load({"model": model_state}, checkpoint_id=self._sharded_directory)  # reshards to this world size
+        # Validated completely before any weight changes: DCP itself ignores keys the model lacks (an extra submodule
+        # under strict loading) and would load the weights before finding that the optimizer state does not fit.
+        saved_model = dcp_tensor_layout(stored, "model.")
+        check_model_state(
+            self._expected_model_state(), saved_model, strict=strict, source=sharded.source, shapes_only=True
+        )
+        if self._restoring_sharded_optimizer_states(checkpoint):
+            optimizers = self._raw_optimizers()
+            templates = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
+            check_dcp_optimizer_states(templates, stored, source=sharded.source)
+        model_state = {key: value for key, value in get_model_state_dict(module).items() if key in saved_model}
+        safe_dcp_load({"model": model_state}, sharded.directory)  # reshards to this world size
         set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._sharded_directory is None:
+        if self._sharded_checkpoint is None:
             super().load_optimizer_state_dict(checkpoint)
             return
+        sharded, _ = self._sharded_checkpoint
         module = self.require_lightning_module()
         optimizers = self._raw_optimizers()
         templates = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
-        dcp_load({"optimizers": templates}, checkpoint_id=self._sharded_directory)
+        safe_dcp_load({"optimizers": templates}, sharded.directory)
         for optimizer, state in zip(optimizers, templates, strict=True):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state)
-        self._sharded_directory = None
+        self._sharded_checkpoint = None

@@ -1,0 +1,354 @@
+"""Reading ``torch.distributed.checkpoint`` (DCP) directories without running code from them.
+
+torch's own reader unpickles ``.metadata`` with plain :mod:`pickle` and its load planner unpickles every non-tensor
+item with ``weights_only=False``: a crafted directory runs code in both places. Here ``.metadata`` goes through an
+unpickler that resolves only the types DCP metadata is made of, and non-tensor items load with ``weights_only=True``.
+Every DCP read of this package (strategies and command line) goes through :class:`SafeFileSystemReader` and
+:class:`SafeLoadPlanner`.
+
+A save of ours also stamps every rank's ``.distcp`` file with the save id and that rank
+(``lightning_strategies.save.rank<r>``), so files of different saves are never mixed: :func:`check_dcp_files`
+refuses a missing, truncated, swapped or foreign file by name before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import math
+import pickle
+import re
+import stat
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.futures import Future
+
+from lightning_strategies.checkpoint.errors import CheckpointFormatError, OptimizerStateMismatchError
+
+DCP_METADATA_FILE: Final = ".metadata"
+STAMP_PREFIX: Final = "lightning_strategies.save.rank"
+_STAMP_KEY = re.compile(r"^lightning_strategies\.save\.rank(\d+)$")
+_RANK_OF_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+# What DCP's `.metadata` is made of (torch 2.4 .. 2.13): its dataclasses, torch.Size, dtypes, layouts, paths.
+_METADATA_TYPES: Final = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "StorageMeta",
+            "MetadataIndex",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo", "_StoragePrefix"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}),
+    "collections": frozenset({"OrderedDict"}),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the globals DCP metadata holds; anything else (``os.system``, ``eval``, ...) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        # Resolved here from modules torch already imported, never through pickle's own lookup (which imports any
+        # module named in the file, and is what the audit event "pickle.find_class" reports).
+        if name in _METADATA_TYPES.get(module, ()):
+            return getattr(importlib.import_module(module), name)
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of torch.distributed.checkpoint metadata")
+
+
+def regular_file(path: Path, source: str) -> int:
+    """The size of ``path``, which must be a regular file (not a link, a FIFO, a device or a directory).
+
+    Raises:
+        CheckpointFormatError: ``path`` is missing or not a regular file.
+    """
+    try:
+        status = path.lstat()
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{source} lacks {path.name}: the save that wrote it did not finish.") from None
+    if not stat.S_ISREG(status.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(status.st_mode) else "not a regular file"
+        raise CheckpointFormatError(
+            f"{source}: {path.name} is {kind}. A checkpoint's files are written by its save; use another checkpoint."
+        )
+    return status.st_size
+
+
+def read_dcp_metadata(directory: Path, source: str) -> Metadata:
+    """Reads ``directory/.metadata`` without running code from it.
+
+    Raises:
+        CheckpointFormatError: It is missing, not a regular file, damaged, or names other types than DCP metadata's.
+    """
+    path = directory / DCP_METADATA_FILE
+    regular_file(path, source)
+    try:
+        with open(path, "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+    except pickle.UnpicklingError as error:
+        raise CheckpointFormatError(
+            f"{source}: {DCP_METADATA_FILE} holds objects that only unpickle by running code, which this package"
+            f" refuses ({error})."
+        ) from error
+    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, OSError) as error:
+        raise CheckpointFormatError(
+            f"{source}: {DCP_METADATA_FILE} could not be read: truncated or corrupted"
+            f" ({type(error).__name__}: {error})."
+        ) from error
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointFormatError(f"{source}: {DCP_METADATA_FILE} is not torch.distributed.checkpoint metadata.")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch's ``FileSystemReader`` whose ``.metadata`` is read by :func:`read_dcp_metadata` (no code runs)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The directory's metadata, read safely (then completed as torch's reader does)."""
+        directory = Path(self.path)
+        metadata = read_dcp_metadata(directory, f"Sharded checkpoint {str(directory)!r}")
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """torch's reading, with damage in a file reported by the file's name."""
+        try:
+            return super().read_data(plan, planner)
+        except CheckpointFormatError:
+            raise
+        except Exception as error:  # whatever torch.load raises on damaged bytes
+            files = sorted({str(self.storage_data[item.storage_index].relative_path) for item in plan.items})
+            first_line = (str(error).splitlines() or [""])[0]
+            raise CheckpointFormatError(
+                f"Sharded checkpoint {str(self.path)!r}: {', '.join(files)} is damaged ({type(error).__name__}:"
+                f" {first_line}). Use another checkpoint."
+            ) from error
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """torch's ``DefaultLoadPlanner`` with non-tensor items loaded ``weights_only=True`` (torch uses ``False``)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Loads one non-tensor item (hyper-parameters, names) without running code from it."""
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise CheckpointFormatError(
+                f"Item {read_item.dest_index.fqn!r} of a sharded checkpoint only unpickles by running code, which this"
+                f" package refuses ({error})."
+            ) from error
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def dcp_stamps(save_id: str, rank: int) -> dict[str, Tensor]:
+    """The item this rank adds to a DCP save: the save id and its rank, as bytes in a plain tensor (saved per rank)."""
+    return {f"{STAMP_PREFIX}{rank}": torch.frombuffer(bytearray(f"{save_id}:{rank}".encode()), dtype=torch.uint8)}
+
+
+def _read_item(directory: Path, info: Any, source: str) -> Any:
+    with open(directory / info.relative_path, "rb") as file:
+        file.seek(info.offset)
+        data = file.read(info.length)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:  # any damage in the item's bytes: named, never a traceback
+        raise CheckpointFormatError(
+            f"{source}: {info.relative_path} is damaged ({type(error).__name__}: {error})."
+        ) from error
+
+
+def check_dcp_files(directory: Path, metadata: Metadata, save_id: str, world_size: int, source: str) -> None:
+    """Checks that ``directory``'s ``.distcp`` files are all there, whole, and of the save ``save_id``.
+
+    Every file ``.metadata`` points into must be a regular file long enough for its items, and each rank's stamp must
+    lie in that rank's own file and name this save and rank. Reads only the stamps (a few bytes per rank).
+
+    Raises:
+        CheckpointFormatError: Naming the missing, truncated, swapped or foreign file.
+    """
+    sizes: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(info.relative_path)
+        if "/" in name or name.startswith("."):
+            raise CheckpointFormatError(f"{source}: {DCP_METADATA_FILE} points outside the directory ({name!r}).")
+        if name not in sizes:
+            sizes[name] = regular_file(directory / name, source)
+        if info.offset < 0 or info.length < 0 or info.offset + info.length > sizes[name]:
+            raise CheckpointFormatError(
+                f"{source}: {name} is truncated ({sizes[name]} bytes; {DCP_METADATA_FILE} expects at least"
+                f" {info.offset + info.length})."
+            )
+    # Memory is bounded by the files: a tensor may not claim more bytes than its stored chunks hold.
+    stored: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + int(info.length)
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            declared = math.prod(item.size) * item.properties.dtype.itemsize
+            if declared > stored.get(key, 0):
+                raise CheckpointFormatError(
+                    f"{source}: {DCP_METADATA_FILE} declares {key!r} as {tuple(item.size)} ({declared:,} bytes), more"
+                    f" than its files hold ({stored.get(key, 0):,} bytes): damaged or crafted. Refused."
+                )
+    stamps = {int(match[1]): key for key in metadata.state_dict_metadata if (match := _STAMP_KEY.match(key))}
+    if len(stamps) != world_size or not all(0 <= rank < world_size for rank in stamps):
+        raise CheckpointFormatError(
+            f"{source}: {DCP_METADATA_FILE} lists {len(stamps)} rank stamp(s) for a save at world size {world_size}:"
+            f" it belongs to another save than meta.pt (or was written by an older lightning_strategies)."
+        )
+    by_key = {index.fqn: info for index, info in (metadata.storage_data or {}).items()}
+    for rank, key in sorted(stamps.items()):
+        info = by_key.get(key)
+        if info is None:
+            raise CheckpointFormatError(f"{source}: {DCP_METADATA_FILE} does not say where rank {rank}'s stamp is.")
+        file_rank = _RANK_OF_FILE.match(str(info.relative_path))
+        value = _read_item(directory, info, source)
+        expected = f"{save_id}:{rank}"
+        found = bytes(value.tolist()).decode(errors="replace") if isinstance(value, Tensor) else repr(value)
+        if file_rank is None or int(file_rank[1]) != rank or found != expected:
+            raise CheckpointFormatError(
+                f"{source}: {info.relative_path} is not rank {rank}'s file of this save (its stamp reads"
+                f" {found!r}, meta.pt's save is {save_id!r}): files of different saves were mixed. Use another"
+                " checkpoint."
+            )
+
+
+def dcp_tensor_layout(metadata: Metadata, prefix: str) -> dict[str, Tensor]:
+    """The tensors under ``prefix`` (e.g. ``"model."``) as meta tensors of their global shapes and dtypes."""
+    return {
+        key.removeprefix(prefix): torch.empty(tuple(item.size), dtype=item.properties.dtype, device="meta")
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
+
+
+def safe_dcp_load(state: dict[str, Any], directory: Path, *, flatten: bool = True, no_dist: bool = False) -> None:
+    """``torch.distributed.checkpoint.load`` through :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner`.
+
+    Args:
+        state: What to load into (DCP's template), changed in place.
+        directory: The DCP directory, already checked (``read_dcp_files``).
+        flatten: Whether ``state`` is nested (DCP flattens it); ``False`` for a flat ``{key: value}`` dict.
+        no_dist: Read without a process group (offline tools).
+
+    Raises:
+        CheckpointFormatError: DCP failed on some rank; its first cause is named (DCP's own exception does not survive
+            the trip to the launching process).
+    """
+    planner = SafeLoadPlanner(flatten_state_dict=flatten, flatten_sharded_tensors=flatten)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # offline: intended
+            dcp_load(state, storage_reader=SafeFileSystemReader(directory), planner=planner, no_dist=no_dist)
+    except CheckpointException as error:
+        failures = list(error.failures.values())
+        first = failures[0] if failures else error
+        cause: BaseException = first[0] if isinstance(first, tuple) else first  # DCP keeps (exception, traceback)
+        if isinstance(cause, CheckpointFormatError):
+            raise CheckpointFormatError(str(cause)) from None
+        raise CheckpointFormatError(
+            f"Sharded checkpoint {str(directory)!r} could not be read ({type(cause).__name__}: {cause})."
+        ) from None
+
+
+def load_dcp_items(items: dict[str, Any], directory: Path) -> None:
+    """Loads ``items`` (a flat ``{key: tensor or placeholder}`` dict) from a DCP directory, without a process group."""
+    safe_dcp_load(items, directory, flatten=False, no_dist=True)
+
+
+def dcp_tensor_count(metadata: Metadata) -> int:
+    """How many tensors :func:`iter_dcp_items` yields."""
+    return sum(
+        isinstance(item, TensorStorageMetadata) and not key.startswith(STAMP_PREFIX)
+        for key, item in metadata.state_dict_metadata.items()
+    )
+
+
+def iter_dcp_items(directory: Path, metadata: Metadata) -> Iterator[tuple[str, Any]]:
+    """Every item of a checked DCP directory but the stamps, read safely: the small non-tensor items together, then
+    each tensor whole, one at a time (memory: one tensor; sizes were checked against the files)."""
+    items = {key: item for key, item in metadata.state_dict_metadata.items() if not key.startswith(STAMP_PREFIX)}
+    others: dict[str, Any] = {key: None for key, item in items.items() if not isinstance(item, TensorStorageMetadata)}
+    if others:  # hyper-parameters and parameter names
+        load_dcp_items(others, directory)
+        yield from others.items()
+    for key, item in items.items():
+        if isinstance(item, TensorStorageMetadata):
+            target = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)}
+            load_dcp_items(target, directory)
+            yield key, target[key]
+
+
+def check_dcp_optimizer_states(templates: list[dict[str, Any]], stored: Metadata, *, source: str) -> None:
+    """Refuses a DCP directory's optimizer states when they do not fit the optimizers, before anything is loaded.
+
+    Args:
+        templates: Each optimizer's state as torch's distributed state-dict API gives it (DCP's load template).
+        stored: The directory's metadata.
+        source: How error messages name the directory.
+
+    Raises:
+        OptimizerStateMismatchError: Another number of optimizers or param groups, entries the template needs that are
+            missing or of another shape, or state for parameters the model does not have.
+    """
+    paths = stored.planner_data if isinstance(stored.planner_data, dict) else {}
+    saved_count = len({path[1] for path in paths.values() if len(path) > 1 and path[0] == "optimizers"})
+    if saved_count != len(templates):
+        raise OptimizerStateMismatchError(
+            f"{source} holds {saved_count} optimizer state(s), but configure_optimizers() returned"
+            f" {len(templates)}; nothing was loaded. Return the same optimizers as the run that saved it."
+        )
+    items = stored.state_dict_metadata
+    for index, template in enumerate(templates):
+        flat, _ = flatten_state_dict({"optimizers": {str(index): template}})
+        problems: list[str] = []
+        groups = {
+            str(path[3])
+            for path in paths.values()
+            if len(path) > 3 and path[0] == "optimizers" and str(path[1]) == str(index) and path[2] == "param_groups"
+        }
+        if len(groups) != len(template["param_groups"]):
+            problems.append(f"{len(groups)} param group(s) saved, the optimizer has {len(template['param_groups'])}")
+        for key, value in flat.items():
+            item = items.get(key)
+            if item is None:
+                problems.append(f"{key!r} is missing")
+            elif isinstance(value, Tensor) and (
+                not isinstance(item, TensorStorageMetadata) or tuple(item.size) != tuple(value.shape)
+            ):
+                size = tuple(item.size) if isinstance(item, TensorStorageMetadata) else "not a tensor"
+                problems.append(f"{key!r} has shape {size}, the optimizer's is {tuple(value.shape)}")
+        prefix = f"optimizers.{index}.state."
+        extra = [key for key in items if key.startswith(prefix) and key not in flat]
+        problems += [f"{key!r} belongs to no parameter of this model" for key in extra[:3]]
+        if problems:
+            raise OptimizerStateMismatchError(
+                f"{source}, optimizer {index}: the saved state does not fit; nothing was loaded.\n  "
+                + "\n  ".join(problems[:10])
+            )
