@@ -112,6 +112,16 @@ class FlatUnit:
         """Elements of the unpadded full flat tensor."""
         return sum(shape.numel() for shape in self.shapes)
 
+    @property
+    def local_shard(self) -> Tensor:
+        """This rank's shard of the parameter's values.
+
+        FSDP keeps it as ``_fp32_shard``; ``param.data`` is the same tensor between steps, except for a frozen
+        parameter of the root instance: no post-backward hook ever reshards it, so its data stays the full tensor.
+        """
+        shard = getattr(self.param, "_fp32_shard", None)
+        return shard if isinstance(shard, Tensor) else self.param.data
+
 
 def flat_units(root: FSDP) -> list[FlatUnit]:
     """Every unit of a wrapped model, instance by instance."""
@@ -209,9 +219,9 @@ def optimizer_layout(
             raise ValueError(
                 f"Optimizer {index} ({type(optimizer).__name__}) treats parameters differently that were flattened"
                 f" into one tensor before the optimizer existed ({listing}). A flat parameter has one set of"
-                " hyper-parameters: fairscale.nn.wrap in configure_model flattens a submodule before"
-                " configure_optimizers() runs. Let the strategy wrap it (it gives each param group its own flat"
-                " parameter), or pass flatten_parameters=False."
+                " hyper-parameters, and this submodule was wrapped in FullyShardedDataParallel before"
+                " configure_optimizers() ran. Mark it with fairscale.nn.wrap in configure_model instead (the strategy"
+                " wraps it later, one flat parameter per param group), or pass flatten_parameters=False."
             )
         group = groups.pop()
         if group is not None:

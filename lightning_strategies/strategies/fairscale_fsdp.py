@@ -56,7 +56,15 @@ from lightning_strategies.checkpoint.sharded import (
 
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl
 from .base import DirectReferenceStrategy, StartMethod
-from .fairscale_wrap import ClassifiedFSDP, ParamClass, ViewGuard, by_requires_grad, require_ties_kept, tie_safe_policy
+from .fairscale_wrap import (
+    ClassifiedFSDP,
+    ParamClass,
+    ViewGuard,
+    WrapRequests,
+    by_requires_grad,
+    require_ties_kept,
+    tie_safe_policy,
+)
 from .launcher import CanonicalStateLauncher
 from .optimizers import retarget_schedulers, twin_optimizer
 
@@ -155,7 +163,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._cpu_patched = False
         self._units: list[FlatUnit] = []
         self._aliases: dict[str, str] = {}  # tied parameters' other names -> the name that holds them
-        self._ties_before_user_wrapping: dict[str, str] = {}
+        self._wrap_requests = WrapRequests()
         self._view_guard: ViewGuard | None = None
         self._layouts: dict[int, OptimizerLayout] = {}
         self._loaded_sharded = False
@@ -198,11 +206,13 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Inside ``configure_model``, ``fairscale.nn.wrap(submodule)`` wraps with this strategy's options."""
-        module = self.lightning_module
-        # The ties as they were before the user wraps anything: wrapping may split them, which _wrap refuses.
-        self._ties_before_user_wrapping = tied_aliases(module) if module is not None else {}
-        with enable_wrap(wrapper_cls=ClassifiedFSDP, **self._wrapper_kwargs()):
+        """Inside ``configure_model``, ``fairscale.nn.wrap(submodule)`` marks a submodule for its own FSDP.
+
+        It is wrapped (with this strategy's options and the ones given to ``wrap``) when the strategy wraps the
+        model, after ``configure_optimizers()`` saw its parameters as they are.
+        """
+        self._wrap_requests = WrapRequests()
+        with enable_wrap(wrapper_cls=self._wrap_requests.marker()):
             yield
 
     def _wrap(self, module: pl.LightningModule, param_class: ParamClass = by_requires_grad) -> FSDP:
@@ -212,10 +222,15 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         ]
         kwargs = {**self._wrapper_kwargs(), "param_class": param_class}
         user_wrapped = any(isinstance(child, FSDP) for child in module.modules())
-        ties = self._ties_before_user_wrapping if user_wrapped else tied_aliases(module)
+        ties = tied_aliases(module)
         # The order of the plain module's state_dict, for the canonical state gathered unit by unit (references only).
         self._state_key_order = [] if user_wrapped else list(module.state_dict(keep_vars=True))
-        if not user_wrapped and self._auto_wrap_min_params is not None:
+
+        def wrap_marked(child: Module, **given: Any) -> FSDP:
+            return ClassifiedFSDP(child, **{**kwargs, **given})
+
+        requested = self._wrap_requests.apply(module, wrap_marked)
+        if not (user_wrapped or requested) and self._auto_wrap_min_params is not None:
             policy = tie_safe_policy(module, self._auto_wrap_min_params)
             with enable_wrap(wrapper_cls=ClassifiedFSDP, **kwargs):
                 for name, child in list(module.named_children()):
@@ -423,7 +438,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         # would gather every full parameter on every rank); buffers are whole on every rank.
         state: dict[str, Any] = {}
         for unit in self._units:
-            full = gather_full(unit.param.data, unit.numel, unit.instance.process_group)
+            full = gather_full(unit.local_shard, unit.numel, unit.instance.process_group)
             if full is not None:
                 state.update(zip(unit.names, split_full(full.cpu(), unit.shapes, copy=False), strict=True))
         if not self.is_global_zero:

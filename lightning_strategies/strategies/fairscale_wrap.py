@@ -86,6 +86,41 @@ class ClassifiedFSDP(FullyShardedDataParallel):
             super().__init__(module, **kwargs)
 
 
+class WrapRequests:
+    """Submodules that ``fairscale.nn.wrap`` marked in ``configure_model``, wrapped once the optimizers exist.
+
+    Wrapping flattens: a submodule wrapped in ``configure_model`` would show ``configure_optimizers()`` a flat
+    parameter (``..._fsdp_wrapped_module.flat_param_0``) instead of its weights and biases, and param groups chosen
+    by name would silently take the wrong parameters. So ``wrap`` only marks the submodule (it returns it
+    unchanged), and :meth:`apply` wraps the marked ones, innermost first, when the strategy wraps the model.
+    """
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[Module, dict[str, Any]]] = []
+
+    def marker(self) -> type:
+        """The ``wrapper_cls`` for ``enable_wrap``: calling it records the submodule and its options."""
+        requests = self.requests
+
+        class MarkedForWrapping:
+            def __new__(cls, module: Module, **overrides: Any) -> Module:  # type: ignore[misc]
+                requests.append((module, overrides))
+                return module
+
+        return MarkedForWrapping
+
+    def apply(self, model: Module, make: Callable[..., Module]) -> bool:
+        """Wraps every marked submodule of ``model`` with ``make(submodule, **overrides)``; whether any was."""
+        path_of = {id(submodule): path for path, submodule in model.named_modules()}
+        marked = [(path_of[id(module)], overrides) for module, overrides in self.requests if path_of.get(id(module))]
+        self.requests.clear()
+        for path, overrides in sorted(marked, key=lambda item: -item[0].count(".")):  # innermost first
+            parent_path, _, name = path.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            setattr(parent, name, make(getattr(parent, name), **overrides))
+        return bool(marked)
+
+
 def tie_safe_policy(model: Module, min_num_params: int) -> Callable[..., bool]:
     """fairscale's ``default_auto_wrap_policy``, except that a submodule sharing parameters with others stays unwrapped.
 
@@ -131,7 +166,7 @@ def require_ties_kept(before: Mapping[str, str], root: Module) -> None:
         pairs = "; ".join(f"{alias!r} and {holder!r}" for alias, holder in split[:3])
         raise ValueError(
             f"Tied parameters were wrapped into different FSDP instances ({pairs}{' ...' if len(split) > 3 else ''}):"
-            " each instance would train its own copy. fairscale.nn.wrap in configure_model wrapped a submodule that"
+            " each instance would train its own copy. A submodule wrapped in configure_model (fairscale.nn.wrap)"
             " shares a parameter with a module outside it. Wrap a module that holds every user of the shared"
             " parameter, or leave that submodule to the strategy's auto-wrapping (it keeps shared parameters"
             " together)."
