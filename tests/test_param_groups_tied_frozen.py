@@ -356,10 +356,13 @@ def test_reading_a_flattened_parameter_between_steps_raises_an_error_naming_full
         _norms("fsdp_fairscale_fork", tmp_path / "norms", inside_full_parameters=False)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_inside_full_parameters_a_hook_reads_the_values_ddp_reads(tmp_path: Path, strategy: str) -> None:
+@pytest.mark.parametrize(
+    "strategy", [*STRATEGIES, pytest.param({"flatten_parameters": False}, id="fsdp_fairscale-unflattened")]
+)
+def test_inside_full_parameters_a_hook_reads_the_values_ddp_reads(tmp_path: Path, strategy: Any) -> None:
     expected = _norms("ddp_fork", tmp_path / "ddp", inside_full_parameters=False)
-    got = _norms(strategy, tmp_path / "full", inside_full_parameters=True)
+    chosen = fsdp(**strategy) if isinstance(strategy, dict) else strategy
+    got = _norms(chosen, tmp_path / "full", inside_full_parameters=True)
     assert got == pytest.approx(expected, abs=1e-5)
 
 
