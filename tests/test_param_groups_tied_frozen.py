@@ -370,3 +370,16 @@ def test_under_ddp_sharded_a_hook_reads_the_values_ddp_reads_without_full_parame
     expected = _norms("ddp_fork", tmp_path / "ddp", inside_full_parameters=False)
     got = _norms("ddp_sharded_fork", tmp_path / "plain", inside_full_parameters=False)
     assert got == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_consolidated_sharded_checkpoint_holds_the_tied_keys_too(tmp_path: Path) -> None:
+    from lightning_strategies.cli.consolidate import consolidate_checkpoint
+
+    sharded = _save_after_one_epoch(fsdp(state_dict_type="sharded"), tmp_path / "sharded")
+    full = _save_after_one_epoch("fsdp_fairscale_fork", tmp_path / "full")
+    consolidate_checkpoint(sharded, tmp_path / "consolidated.ckpt", show_progress=False)
+    consolidated = torch.load(tmp_path / "consolidated.ckpt", weights_only=True)["state_dict"]
+    expected = torch.load(full, weights_only=True)["state_dict"]
+    assert consolidated.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(consolidated[key], value), key

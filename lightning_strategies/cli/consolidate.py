@@ -76,7 +76,7 @@ def _cut(pieces: Sequence[Tensor], shapes: Sequence[Sequence[int]], what: str) -
 
 
 def _same_layout(layout: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
-    return all(layout.get(key) == other.get(key) for key in ("version", "world_size", "units", "optimizers"))
+    return all(layout.get(key) == other.get(key) for key in ("version", "world_size", "units", "optimizers", "aliases"))
 
 
 def _fairscale(directory: Path, world_size: int, show_progress: bool) -> tuple[dict[str, Any], list[Any], int]:
@@ -129,6 +129,8 @@ def _fairscale(directory: Path, world_size: int, show_progress: bool) -> tuple[d
             parts = _cut(pieces, unit["shapes"], f"model tensor {unit['key']!r}")
             state.update(zip(unit["names"], parts, strict=True))
             bar.advance(len(parts))
+        for alias, holder in layout.get("aliases", {}).items():  # a tied parameter under each of its keys
+            state[alias] = state[holder]
         for key in buffers:
             value = shards[0]["state_dict"][key]
             state[strip_wrapper_segments(key, INNER_WRAPPER_SEGMENTS)] = (

@@ -571,6 +571,8 @@ def fairscale_model_layout(local_state: Mapping[str, Any], layout: Mapping[str, 
         dtype = local_state[unit["key"]].dtype
         for name, shape in zip(unit["names"], unit["shapes"], strict=True):
             result[name] = _meta_tensor(shape, dtype)
+    for alias, holder in layout.get("aliases", {}).items():
+        result[alias] = result[holder]
     for key, value in local_state.items():
         if key not in unit_keys and isinstance(value, Tensor):
             result[strip_wrapper_segments(key, INNER_WRAPPER_SEGMENTS)] = _meta_tensor(value.shape, value.dtype)

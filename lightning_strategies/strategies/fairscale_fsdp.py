@@ -570,7 +570,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
 
         ``units``: the flat shards in ``local_state_dict()`` (its key, the canonical names and shapes it holds, the
         size of its process group); ``optimizers``: for each optimizer, the canonical names of each param group and
-        which unit each index of its flat state is.
+        which unit each index of its flat state is; ``aliases``: the other keys of tied parameters.
         """
         key_of = {id(param): canonical_name(name) for name, param in self._root().named_parameters()}
         position = {id(unit.param): index for index, unit in enumerate(self._units)}
@@ -598,6 +598,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             "world_size": self.world_size,
             "units": units,
             "optimizers": optimizers,
+            "aliases": dict(self._aliases),  # tied parameters' other keys -> the key that holds them
         }
 
     @override
