@@ -383,3 +383,15 @@ def test_a_consolidated_sharded_checkpoint_holds_the_tied_keys_too(tmp_path: Pat
     assert consolidated.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(consolidated[key], value), key
+
+
+def test_a_parameter_that_is_not_gathered_still_tells_its_shape_dtype_and_device() -> None:
+    from lightning_strategies.strategies.fairscale_wrap import NotGatheredParameter, NotGatheredParameterError
+
+    placeholder = NotGatheredParameter.create("head.weight", torch.Size([4, 16]), torch.float32)
+    assert (placeholder.shape, placeholder.dtype, placeholder.device.type) == ((4, 16), torch.float32, "meta")
+    assert placeholder.dim() == 2 and placeholder.numel() == 64
+    with pytest.raises(NotGatheredParameterError, match=r"'head\.weight' holds no value here"):
+        placeholder.norm()
+    with pytest.raises(NotGatheredParameterError):
+        torch.ones(16) @ placeholder.T
