@@ -137,10 +137,9 @@ def tie_safe_policy(model: Module, min_num_params: int) -> Callable[..., bool]:
     """
     uses = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
 
-    def policy(module: Module, recurse: bool, unwrapped_params: int, module_is_root: bool) -> bool:
-        if not default_auto_wrap_policy(
-            module, recurse, unwrapped_params, module_is_root, min_num_params=min_num_params
-        ):
+    def policy(module: Module, recurse: bool, **sizes: Any) -> bool:
+        # `sizes`: fairscale's counts of parameters not yet wrapped and whether the module is the root, by keyword.
+        if not default_auto_wrap_policy(module=module, recurse=recurse, min_num_params=min_num_params, **sizes):
             return False
         if recurse:
             return True
