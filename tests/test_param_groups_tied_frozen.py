@@ -79,10 +79,10 @@ class GPT2Recipe(pl.LightningModule):
         return DataLoader(TensorDataset(tokens), batch_size=4)
 
 
-def gpt2(seed: int = 1, **kwargs: Any) -> GPT2Recipe:
+def gpt2(seed: int = 1, cls: type[GPT2Recipe] = GPT2Recipe, **kwargs: Any) -> GPT2Recipe:
     pytest.importorskip("transformers")
     pl.seed_everything(seed, verbose=False)
-    return GPT2Recipe(**kwargs)
+    return cls(**kwargs)
 
 
 def fsdp(**kwargs: Any) -> FairScaleFSDPStrategy:
@@ -255,12 +255,22 @@ def test_loading_a_checkpoint_keeps_tied_parameters_one_tensor(tmp_path: Path, s
     assert loaded.model.lm_head.weight is loaded.model.transformer.wte.weight
 
 
+class OneGroup(GPT2Recipe):
+    """Every parameter trains, in one param group: only the tie is left to get wrong."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
 def test_auto_wrapping_small_submodules_keeps_the_users_of_a_shared_parameter_together() -> None:
-    _trained_like_ddp(fsdp(auto_wrap_min_params=100))
+    reference, model = gpt2(cls=OneGroup, frozen=False), gpt2(cls=OneGroup, frozen=False)
+    fit("ddp_fork", reference, max_epochs=2)
+    fit(fsdp(auto_wrap_min_params=100), model, max_epochs=2)  # small: every block and embedding is large enough
+    assert_same_weights(reference, model, atol=1e-5)
 
 
 def test_an_in_process_fit_gives_the_module_back_with_its_parameters_still_tied() -> None:
-    model = gpt2()
+    model = gpt2(cls=OneGroup, frozen=False)
     fit(FairScaleFSDPStrategy(), model, devices=1, max_epochs=1)
     assert model.model.lm_head.weight is model.model.transformer.wte.weight
     assert isinstance(model.model.lm_head.weight, nn.Parameter)
