@@ -2,8 +2,8 @@
 
 This is the strategy of Lightning issue 13500. Its checkpoints are canonical because state is gathered through the
 root wrapper (model) and from the flat shards the optimizer actually steps (optimizer), re-keyed by parameter name
-into torch's layout; loading goes the other way. Parameter names come from the flat parameters' own metadata, with
-fairscale's path segments removed, and are checked against the canonical keys.
+into torch's layout; loading goes the other way. Where each canonical parameter lives is modelled in
+:mod:`lightning_strategies.checkpoint.flat_layout`; how the model is wrapped, in :mod:`.fairscale_wrap`.
 """
 
 from __future__ import annotations
@@ -93,12 +93,13 @@ def _forget_stale_fairscale_groups() -> None:
 class FairScaleFSDPStrategy(DirectReferenceStrategy):
     """Fully sharded data parallel training with fairscale ``FullyShardedDataParallel``.
 
-    The LightningModule is wrapped in a root FSDP (large submodules first, by ``auto_wrap_min_params``; submodules the
-    user wrapped in ``configure_model`` with ``fairscale.nn.wrap`` are kept). ``configure_optimizers()`` is written as
-    usual (``Adam(self.parameters())``, groups by submodule, schedulers): its optimizers are re-created over the
-    parameters FSDP trains. Checkpoints are canonical (``state_dict_type="full"``, default) or one file per rank
-    (``"sharded"``). With ``accelerator="cpu"`` the scoped patches of :mod:`lightning_strategies.fairscale_cpu` are
-    applied while the strategy runs.
+    The LightningModule is wrapped in a root FSDP (large submodules first, by ``auto_wrap_min_params``, never apart
+    from the other users of a shared parameter; or the submodules ``fairscale.nn.wrap`` marked in ``configure_model``).
+    ``configure_optimizers()`` is written as usual (any param groups, tied and frozen parameters, schedulers): its
+    optimizers are copied over the flat parameters FSDP trains, one per param group and ``requires_grad`` in each FSDP
+    instance. Between steps, read parameters inside :meth:`full_parameters`. Checkpoints are canonical
+    (``state_dict_type="full"``, default) or one file per rank (``"sharded"``). With ``accelerator="cpu"`` the scoped
+    patches of :mod:`lightning_strategies.fairscale_cpu` are applied while the strategy runs.
 
     Args:
         accelerator: The accelerator (set by the Trainer when omitted).
@@ -361,8 +362,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
 
         The process goes on running the user's script (one script per rank, or a single process), so the module must
         work again: every rank gathers the full parameters once, the original parameters are registered again with
-        them, and the children this strategy wrapped replace their wrappers. Submodules the user wrapped in
-        ``configure_model`` stay wrapped.
+        them (tied ones as one parameter again), and the children this strategy wrapped (its own choice or marked
+        with ``fairscale.nn.wrap``) replace their wrappers. Submodules wrapped in FSDP by hand stay wrapped.
         """
         root = self._root()
         flattened: list[tuple[Module, str, Tensor, bool]] = []
