@@ -138,6 +138,8 @@ def test_the_gpt2_recipe_with_default_options_trains_like_upstream_ddp(strategy:
         ("fsdp_fairscale_fork", "ddp_sharded_fork"),
         ("fsdp_fairscale_fork", "fsdp2_fork"),
         ("fsdp2_fork", "fsdp_fairscale_fork"),
+        ("ddp_sharded_fork", "fsdp_fairscale_fork"),
+        ("fsdp2_fork", "ddp_sharded_fork"),
     ],
 )
 def test_the_gpt2_recipe_resumes_exactly_under_another_strategy(tmp_path: Path, saved_by: str, resumed_by: str) -> None:
