@@ -171,25 +171,6 @@ def test_gradient_clipping_matches_upstream_ddp(algorithm: str) -> None:
     assert_same_weights(reference, model, atol=1e-5)
 
 
-class MixedInsideOneLayer(ConformanceModel):
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(
-            [
-                {"params": [self.encoder.weight, self.head.weight], "weight_decay": 0.1},
-                {"params": [self.encoder.bias, self.head.bias], "weight_decay": 0.0},
-            ]
-        )
-
-
-def test_hyper_parameters_that_differ_inside_one_flat_parameter_are_refused_naming_them_and_the_fix() -> None:
-    model = new_model(cls=MixedInsideOneLayer)
-    with pytest.raises(
-        Exception,
-        match=r"group 0: encoder.weight, head.weight; group 1: encoder.bias, head.bias.*flatten_parameters=False",
-    ):
-        fit("fsdp_fairscale_fork", model, max_epochs=1)
-
-
 def test_the_same_optimizer_works_without_flattening() -> None:
     reference, model = _fit_pair(fsdp(flatten_parameters=False), max_epochs=1)
     assert_same_weights(reference, model, atol=1e-5)

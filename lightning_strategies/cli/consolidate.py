@@ -78,7 +78,7 @@ def _cut(pieces: Sequence[Tensor], shapes: Sequence[Sequence[int]], what: str) -
 
 
 def _same_layout(layout: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
-    return all(layout.get(key) == other.get(key) for key in ("version", "world_size", "units", "optimizers"))
+    return all(layout.get(key) == other.get(key) for key in ("version", "world_size", "units", "optimizers", "aliases"))
 
 
 def _fairscale(sharded: ShardedCheckpoint, show_progress: bool) -> tuple[dict[str, Any], list[Any], int]:

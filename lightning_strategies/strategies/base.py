@@ -635,6 +635,16 @@ class DirectReferenceStrategy(ParallelStrategy):
         """Skips gradient synchronisation while accumulating; the default wrapper has nothing to skip."""
         yield None
 
+    @contextmanager
+    def full_parameters(self) -> Generator[None, None, None]:
+        """Inside, the LightningModule's parameter attributes hold the full parameters on every rank.
+
+        For reading parameters in hooks and callbacks (``self.head.weight.norm()`` in ``on_train_batch_end``) under
+        any strategy. Every rank must enter it, outside forward and backward. Strategies whose module keeps its
+        parameters whole need nothing; ``fsdp_fairscale`` gathers its flattened parameters here.
+        """
+        yield None
+
     # ------------------------------------------------------------------ steps go through the wrapper
 
     def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:

@@ -2,17 +2,15 @@
 
 This is the strategy of Lightning issue 13500. Its checkpoints are canonical because state is gathered through the
 root wrapper (model) and from the flat shards the optimizer actually steps (optimizer), re-keyed by parameter name
-into torch's layout; loading goes the other way. Parameter names come from the flat parameters' own metadata, with
-fairscale's path segments removed, and are checked against the canonical keys.
+into torch's layout; loading goes the other way. Where each canonical parameter lives is modelled in
+:mod:`lightning_strategies.checkpoint.flat_layout`; how the model is wrapped, in :mod:`.fairscale_wrap`.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +19,7 @@ import torch
 from fairscale.internal.parallel import get_process_group_cached
 from fairscale.nn.data_parallel import FullyShardedDataParallel
 from fairscale.nn.misc.flatten_params_wrapper import FlatParameter
-from fairscale.nn.wrap import auto_wrap, default_auto_wrap_policy, enable_wrap
+from fairscale.nn.wrap import auto_wrap, enable_wrap
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
@@ -37,11 +35,20 @@ from lightning_strategies.checkpoint import (
     check_model_state,
     check_optimizer_states,
     param_group_shapes,
-    strip_wrapper_segments,
     to_cpu_state,
 )
 from lightning_strategies.checkpoint.flat import gather_full, local_shard, split_full
-from lightning_strategies.checkpoint.model_state import tied_parameter_aliases
+from lightning_strategies.checkpoint.flat_layout import (
+    FlatUnit,
+    OptimizerLayout,
+    canonical_name,
+    flat_units,
+    fsdp_instances,
+    optimizer_layout,
+    parameter_names,
+    persistent_buffers,
+    tied_aliases,
+)
 from lightning_strategies.checkpoint.sharded import (
     SHARDED_LAYOUT_KEY,
     SHARDED_LAYOUT_VERSION,
@@ -57,6 +64,15 @@ from lightning_strategies.checkpoint.sharded import (
 
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl
 from .base import DirectReferenceStrategy, StartMethod
+from .fairscale_wrap import (
+    ClassifiedFSDP,
+    ParamClass,
+    ViewGuard,
+    WrapRequests,
+    by_requires_grad,
+    require_ties_kept,
+    tie_safe_policy,
+)
 from .full_gradients import FairScaleUnitView, full_fairscale_parameters
 from .launcher import CanonicalStateLauncher, HandBack
 from .optimizers import OptimizerNeed, refuse_unsupported_optimizers, retarget_schedulers, twin_optimizer
@@ -64,11 +80,7 @@ from .redirection import SubmoduleCallRouting
 
 FSDP = FullyShardedDataParallel
 
-# Attribute names fairscale puts into module paths: FSDP's wrapped module and the flatten wrapper's module.
-FAIRSCALE_SEGMENTS = ("_fsdp_wrapped_module", "_fpw_module")
-
 FSDP_KWARGS = frozenset(inspect.signature(FSDP.__init__).parameters) - {"self", "module", "compute_device"}
-
 
 # What stepping flat 1-D shards takes away from an optimizer's math (see optimizers.OptimizerNeed).
 _REFUSED_OPTIMIZER_NEEDS = {
@@ -84,115 +96,7 @@ _REFUSED_OPTIMIZER_NEEDS = {
 }
 
 
-def _canonical(path: str) -> str:
-    return strip_wrapper_segments(path, FAIRSCALE_SEGMENTS)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _persistent_buffers(root: FSDP) -> Iterator[tuple[str, Tensor]]:
-    """The buffers a plain module's ``state_dict`` holds, under canonical keys (buffers are never sharded)."""
-    for path, submodule in root.named_modules():
-        for name, buffer in submodule._buffers.items():
-            if buffer is not None and name not in submodule._non_persistent_buffers_set:
-                yield _canonical(_join(path, name)), buffer
-
-
-def _fsdp_instances(module: Module) -> list[tuple[str, FSDP]]:
-    return [(_canonical(path), instance) for path, instance in module.named_modules() if isinstance(instance, FSDP)]
-
-
-def _parameter_names(module: Module) -> dict[int, list[str]]:
-    """Canonical names of the original parameters held by each parameter object of ``module`` (wrapped or not)."""
-    names: dict[int, list[str]] = {}
-    for prefix, instance in _fsdp_instances(module):
-        for param in instance.params:
-            if isinstance(param, FlatParameter):
-                flat_names = param.metadata()[0]
-                names[id(param)] = [_join(prefix, _canonical(name)) for name in flat_names]
-    for name, param in module.named_parameters():
-        names.setdefault(id(param), [_canonical(name)])
-    return names
-
-
-def _wrap_by_param_group(module: Module, group_of: Mapping[int, Any], kwargs: Mapping[str, Any]) -> None:
-    """Gives submodules of other param groups than the root's their own FSDP, so no flat parameter mixes groups.
-
-    One flat parameter has one set of hyper-parameters, so param groups by submodule (the usual way to give an
-    encoder and a head different learning rates) need those submodules flattened apart. The group of the root's own
-    parameters (or else the first group) stays in the root's flat parameter, which must not be empty. Parameters no
-    optimizer holds form a group of their own.
-    """
-
-    def groups(candidate: Module, recurse: bool = True) -> list[Any]:
-        return list(dict.fromkeys(group_of.get(id(param)) for param in candidate.parameters(recurse=recurse)))
-
-    def visit(parent: Module, root_group: Any) -> None:
-        for name, child in list(parent.named_children()):
-            if isinstance(child, FSDP):
-                continue
-            child_groups = groups(child)
-            if child_groups == [root_group] or not child_groups:
-                continue
-            if len(child_groups) == 1:
-                setattr(parent, name, FSDP(child, **kwargs))
-            else:
-                visit(child, root_group)
-
-    all_groups = groups(module)
-    if len(all_groups) > 1:
-        own = groups(module, recurse=False)
-        visit(module, own[0] if own else all_groups[0])
-
-
-def _forget_stale_fairscale_groups() -> None:
-    """Drops fairscale's process-group cache when it holds groups of a process group that no longer exists.
-
-    fairscale caches the groups FSDP uses for the life of the process, keyed by name and ranks only. After a process
-    group is destroyed and created again (a second run in one process, or a worker forked from a process that ran
-    one) the cached groups are dead and every collective on them fails with "Group ... is not registered".
-    """
-    cache: dict[Any, Any] | None = vars(get_process_group_cached).get("_global_group_cache")
-    if not cache:
-        return
-    try:
-        for group in cache.values():
-            torch.distributed.get_global_rank(group, 0)
-    except (ValueError, RuntimeError):
-        del vars(get_process_group_cached)["_global_group_cache"]
-
-
-@dataclass(frozen=True)
-class _Unit:
-    """A parameter the optimizer steps: a flat parameter, or one sharded original parameter."""
-
-    param: Parameter
-    names: list[str]
-    shapes: list[torch.Size]
-    instance: FSDP
-
-    @property
-    def numel(self) -> int:
-        return sum(shape.numel() for shape in self.shapes)
-
-
-def _units(root: FSDP) -> list[_Unit]:
-    names = _parameter_names(root)
-    units = []
-    for _, instance in _fsdp_instances(root):
-        for param in instance.params:
-            # A flat parameter lists what it holds; a sharded original parameter remembers its full size.
-            if isinstance(param, FlatParameter):
-                shapes = list(param.metadata()[1])
-            else:
-                shapes = [torch.Size(getattr(param, "_orig_size"))]  # noqa: B009
-            units.append(_Unit(param, names[id(param)], shapes, instance))
-    return units
-
-
-def _unit_view(unit: _Unit) -> FairScaleUnitView:
+def _unit_view(unit: FlatUnit) -> FairScaleUnitView:
     """What the full-gradients context needs of a unit: where its original parameters live on their modules."""
     param = unit.param
     owners: list[tuple[Module, str]] = []
@@ -215,81 +119,33 @@ def _unit_view(unit: _Unit) -> FairScaleUnitView:
     )
 
 
-@dataclass
-class _Layout:
-    """How one optimizer's canonical param groups (by name) map onto the units it steps."""
+def _forget_stale_fairscale_groups() -> None:
+    """Drops fairscale's process-group cache when it holds groups of a process group that no longer exists.
 
-    group_names: list[list[str]]
-    group_units: list[list[_Unit]] = field(default_factory=list)
-
-    @property
-    def index(self) -> dict[str, int]:
-        return {name: index for index, name in enumerate(name for group in self.group_names for name in group)}
-
-    @property
-    def shapes(self) -> list[list[torch.Size]]:
-        shape_of = {
-            name: shape
-            for units in self.group_units
-            for unit in units
-            for name, shape in zip(unit.names, unit.shapes, strict=True)
-        }
-        return [[shape_of[name] for name in group] for group in self.group_names]
-
-    @property
-    def flat_units(self) -> list[_Unit]:
-        return [unit for units in self.group_units for unit in units]
-
-
-def _layout(optimizer: Optimizer, names_of: Mapping[int, list[str]], units: Sequence[_Unit], index: int) -> _Layout:
-    """Assigns each unit to the param group holding its parameters; refuses what a flat parameter cannot represent."""
-    foreign = [
-        position
-        for group in optimizer.param_groups
-        for position, p in enumerate(group["params"])
-        if id(p) not in names_of
-    ]
-    if foreign:
-        raise ValueError(
-            f"Optimizer {index} ({type(optimizer).__name__}) holds {len(foreign)} parameter(s) that are not the"
-            " LightningModule's. Build it from self.parameters() (or submodules' parameters) in configure_optimizers()."
-        )
-    group_names = [
-        [name for param in group["params"] for name in names_of[id(param)]] for group in optimizer.param_groups
-    ]
-    group_of = {name: group for group, names in enumerate(group_names) for name in names}
-    layout = _Layout(group_names, [[] for _ in group_names])
-    for unit in units:
-        groups = {group_of.get(name) for name in unit.names}
-        if groups == {None}:
-            continue  # not optimized (e.g. frozen)
-        if len(groups) > 1:
-            by_group: dict[str, list[str]] = {}
-            for name in unit.names:
-                group = group_of.get(name)
-                by_group.setdefault("not optimized" if group is None else f"group {group}", []).append(name)
-            listing = "; ".join(f"{where}: {', '.join(names)}" for where, names in by_group.items())
-            raise ValueError(
-                f"Optimizer {index} ({type(optimizer).__name__}) treats parameters differently that fairscale FSDP"
-                f" flattened into one tensor ({listing}). One flat parameter can only have one set of"
-                " hyper-parameters. Wrap those submodules separately (fairscale.nn.wrap in configure_model, or a"
-                " smaller auto_wrap_min_params), or pass flatten_parameters=False."
-            )
-        group = groups.pop()
-        if group is not None:
-            layout.group_units[group].append(unit)
-    return layout
+    fairscale caches the groups FSDP uses for the life of the process, keyed by name and ranks only. After a process
+    group is destroyed and created again (a second run in one process, or a worker forked from a process that ran
+    one) the cached groups are dead and every collective on them fails with "Group ... is not registered".
+    """
+    cache: dict[Any, Any] | None = vars(get_process_group_cached).get("_global_group_cache")
+    if not cache:
+        return
+    try:
+        for group in cache.values():
+            torch.distributed.get_global_rank(group, 0)
+    except (ValueError, RuntimeError):
+        del vars(get_process_group_cached)["_global_group_cache"]
 
 
 class FairScaleFSDPStrategy(DirectReferenceStrategy):
     """Fully sharded data parallel training with fairscale ``FullyShardedDataParallel``.
 
-    The LightningModule is wrapped in a root FSDP (large submodules first, by ``auto_wrap_min_params``; submodules the
-    user wrapped in ``configure_model`` with ``fairscale.nn.wrap`` are kept). ``configure_optimizers()`` is written as
-    usual (``Adam(self.parameters())``, groups by submodule, schedulers): its optimizers are re-created over the
-    parameters FSDP trains. Checkpoints are canonical (``state_dict_type="full"``, default) or one file per rank
-    (``"sharded"``). With ``accelerator="cpu"`` the scoped patches of :mod:`lightning_strategies.fairscale_cpu` are
-    applied while the strategy runs.
+    The LightningModule is wrapped in a root FSDP (large submodules first, by ``auto_wrap_min_params``, never apart
+    from the other users of a shared parameter; or the submodules ``fairscale.nn.wrap`` marked in ``configure_model``).
+    ``configure_optimizers()`` is written as usual (any param groups, tied and frozen parameters, schedulers): its
+    optimizers are copied over the flat parameters FSDP trains, one per param group and ``requires_grad`` in each FSDP
+    instance. Between steps, read parameters inside :meth:`full_parameters`. Checkpoints are canonical
+    (``state_dict_type="full"``, default) or one file per rank (``"sharded"``). With ``accelerator="cpu"`` the scoped
+    patches of :mod:`lightning_strategies.fairscale_cpu` are applied while the strategy runs.
 
     Args:
         accelerator: The accelerator (set by the Trainer when omitted).
@@ -360,14 +216,16 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._state_dict_type = state_dict_type
         self._broadcast_buffers = broadcast_buffers
         self._cpu_patched = False
-        self._units: list[_Unit] = []
-        self._layouts: dict[int, _Layout] = {}
+        self._units: list[FlatUnit] = []
+        self._aliases: dict[str, str] = {}  # tied parameters' other names -> the name that holds them
+        self._wrap_requests = WrapRequests()
+        self._view_guard: ViewGuard | None = None
+        self._layouts: dict[int, OptimizerLayout] = {}
         self._loaded_sharded = False
         self._sharded_source = "the rank file"
+        self._routing: SubmoduleCallRouting | None = None
         self._original_children: list[tuple[Module, str, Module]] = []
         self._state_key_order: list[str] = []
-        self._routing: SubmoduleCallRouting | None = None
-        self._aliases: dict[str, str] = {}  # the other names of tied parameters -> the name a unit holds them under
 
     @classmethod
     @override
@@ -405,31 +263,42 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Inside ``configure_model``, ``fairscale.nn.wrap(submodule)`` wraps with this strategy's options."""
-        with enable_wrap(wrapper_cls=FSDP, **self._wrapper_kwargs()):
+        """Inside ``configure_model``, ``fairscale.nn.wrap(submodule)`` marks a submodule for its own FSDP.
+
+        It is wrapped (with this strategy's options and the ones given to ``wrap``) when the strategy wraps the
+        model, after ``configure_optimizers()`` saw its parameters as they are.
+        """
+        self._wrap_requests = WrapRequests()
+        with enable_wrap(wrapper_cls=self._wrap_requests.marker()):
             yield
 
-    def _wrap(self, module: pl.LightningModule, group_of: Mapping[int, Any] | None = None) -> FSDP:
+    def _wrap(self, module: pl.LightningModule, param_class: ParamClass = by_requires_grad) -> FSDP:
         # Remember the module tree as it was, so teardown can put back every child this strategy wrapped.
         self._original_children = [
             (parent, name, child) for parent in module.modules() for name, child in parent.named_children()
         ]
-        kwargs = self._wrapper_kwargs()
+        kwargs = {**self._wrapper_kwargs(), "param_class": param_class}
         user_wrapped = any(isinstance(child, FSDP) for child in module.modules())
+        ties = tied_aliases(module)
         # The order of the plain module's state_dict, for the canonical state gathered unit by unit (references only).
         self._state_key_order = [] if user_wrapped else list(module.state_dict(keep_vars=True))
-        # Flat parameters hold a tied parameter once: its other names go into the sharded layout for consolidate.
-        self._aliases = {
-            _canonical(alias): _canonical(holder) for alias, holder in tied_parameter_aliases(module).items()
-        }
-        if not user_wrapped and self._auto_wrap_min_params is not None:
-            policy = functools.partial(default_auto_wrap_policy, min_num_params=self._auto_wrap_min_params)
-            with enable_wrap(wrapper_cls=FSDP, **kwargs):
+
+        def wrap_marked(child: Module, **given: Any) -> FSDP:
+            return ClassifiedFSDP(child, **{**kwargs, **given})
+
+        requested = self._wrap_requests.apply(module, wrap_marked)
+        if not (user_wrapped or requested) and self._auto_wrap_min_params is not None:
+            policy = tie_safe_policy(module, self._auto_wrap_min_params)
+            with enable_wrap(wrapper_cls=ClassifiedFSDP, **kwargs):
                 for name, child in list(module.named_children()):
                     setattr(module, name, auto_wrap(child, auto_wrap_policy=policy))
-        if group_of and self._fsdp_kwargs.get("flatten_parameters", True):
-            _wrap_by_param_group(module, group_of, kwargs)
-        return FSDP(module, **kwargs)
+        root = ClassifiedFSDP(module, **kwargs)
+        require_ties_kept(ties, root)
+        self._units = flat_units(root)
+        self._aliases = tied_aliases(root)
+        self._view_guard = ViewGuard(root)
+        self._view_guard.guard()
+        return root
 
     @override
     def model_to_device(self) -> None:
@@ -439,7 +308,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
     @override
     def configure_for_fit(self, trainer: pl.Trainer) -> None:
         module = self.require_lightning_module()
-        names_before = _parameter_names(module)
+        names_before = parameter_names(module)
         self._layouts = {}
         self.setup_optimizers(trainer)  # the user's optimizers, over the parameters as configure_optimizers saw them
         refuse_unsupported_optimizers(self.strategy_name, self.optimizers, module, _REFUSED_OPTIMIZER_NEEDS)
@@ -449,11 +318,16 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             for group_index, group in enumerate(optimizer.param_groups)
             for param in group["params"]
         }
-        root = self._wrap(module, group_of)
-        self._units = _units(root)
+
+        def param_class(param: Parameter) -> tuple[Any, bool]:
+            # One flat parameter per param group (its hyper-parameters) and requires_grad (fairscale flattens only
+            # equal ones): a layer's weight and bias may be in different groups, frozen weights next to trained ones.
+            return group_of.get(id(param)), param.requires_grad
+
+        root = self._wrap(module, param_class)
         optimizers = []
         for index, optimizer in enumerate(self.optimizers):
-            layout = _layout(optimizer, names_before, self._units, index)
+            layout = optimizer_layout(optimizer, names_before, self._units, index)
             groups = [
                 {**{key: value for key, value in group.items() if key != "params"}, "params": [u.param for u in units]}
                 for group, units in zip(optimizer.param_groups, layout.group_units, strict=True)
@@ -469,57 +343,12 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
 
     @override
     def configure_for_evaluation(self, trainer: pl.Trainer) -> None:
-        root = self._wrap(self.require_lightning_module())
-        self._units = _units(root)
-        self.model = root
+        self.model = self._wrap(self.require_lightning_module())
 
     def _root(self) -> FSDP:
         if not isinstance(self.model, FSDP):
             raise RuntimeError("FairScaleFSDPStrategy has no FSDP root yet: it is created in Trainer.fit/validate.")
         return self.model
-
-    @override
-    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        module = self.require_lightning_module()
-        wrapper = self.model
-        if method_name != "training_step" or module.automatic_optimization or not isinstance(wrapper, FSDP):
-            return super()._step(method_name, *args, **kwargs)
-        # Manual optimization runs backward (and optimizer steps) inside the step, which fairscale does not allow
-        # inside the root's forward (its backward hooks assert that the forward has ended). The step runs on its own
-        # instead, and every module call it makes (`self(...)`, `self.discriminator(x)`) goes through the root's
-        # forward: gathered parameters, backward hooks, and parameters that an optimizer step just changed.
-        if self._routing is None or self._routing.lightning_module is not module:
-            self._routing = SubmoduleCallRouting(wrapper, module)
-        wrapper.training = module.training
-        with self._routing.routing():
-            return getattr(module, method_name)(*args, **kwargs)
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        try:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        except ValueError as error:
-            module = self.lightning_module
-            if module is None or module.automatic_optimization or "expected to be in states" not in str(error):
-                raise
-            raise RuntimeError(
-                "FairScaleFSDPStrategy: a backward pass in this manual-optimization step left parameters that require"
-                " gradients without one, although a module holding them was called (e.g. a GAN's generator, whose"
-                " output the discriminator's loss detaches). fairscale FSDP cannot finish such a backward pass. Call"
-                " `self.toggle_optimizer(optimizer)` before each optimizer's forward and backward and"
-                " `self.untoggle_optimizer(optimizer)` after its step, as Lightning's manual-optimization docs do, so"
-                " the other optimizer's parameters do not require gradients meanwhile."
-            ) from error
-
-    @contextmanager
-    @override
-    def complete_gradients(self) -> Generator[None, None, None]:
-        # Flattening took the original parameters off their modules: they come back, full, with full gradients.
-        if not isinstance(self.model, FSDP):
-            yield None
-            return
-        with full_fairscale_parameters([_unit_view(unit) for unit in self._units]):
-            yield None
 
     @contextmanager
     @override
@@ -540,16 +369,100 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         # Each rank holds a shard of every gradient: the root computes the norm across ranks.
         self._root().clip_grad_norm_(clip_val)
 
+    @contextmanager
+    @override
+    def full_parameters(self) -> Generator[None, None, None]:
+        """The LightningModule's full parameters, on every rank, for reading them in hooks and callbacks.
+
+        Between steps each rank holds only its shard of the flattened parameters, and the module's parameter
+        attributes raise an error naming this context. Inside it they are whole ``Parameter`` objects (gathered with
+        ``summon_full_params``; changes are not written back). Every rank must enter it, outside forward and
+        backward (e.g. in ``on_train_batch_end``).
+        """
+        if not isinstance(self.model, FSDP):
+            yield None
+            return
+        with self._guarding_views(), self.model.summon_full_params(recurse=True, volatile=True):
+            yield None
+
+    @contextmanager
+    def _guarding_views(self) -> Generator[None, None, None]:
+        """Puts the placeholders back afterwards: fairscale leaves views of freed storage behind it."""
+        try:
+            yield None
+        finally:
+            if self._view_guard is not None:
+                self._view_guard.guard()
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        # Strategy.backward, with the parameter attributes guarded as soon as backward freed the full parameters:
+        # on_after_backward, on_before_optimizer_step and on_train_batch_end then get an error instead of a crash.
+        module = self.require_lightning_module()
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        with self._guarding_views():
+            try:
+                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            except ValueError as error:
+                if module.automatic_optimization or "expected to be in states" not in str(error):
+                    raise
+                raise RuntimeError(
+                    "FairScaleFSDPStrategy: a backward pass in this manual-optimization step left parameters that"
+                    " require gradients without one, although a module holding them was called (e.g. a GAN's"
+                    " generator, whose output the discriminator's loss detaches). fairscale FSDP cannot finish such a"
+                    " backward pass. Call `self.toggle_optimizer(optimizer)` before each optimizer's forward and"
+                    " backward and `self.untoggle_optimizer(optimizer)` after its step, as Lightning's"
+                    " manual-optimization docs do, so the other optimizer's parameters do not require gradients"
+                    " meanwhile."
+                ) from error
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        module = self.require_lightning_module()
+        wrapper = self.model
+        if method_name == "training_step" and not module.automatic_optimization and isinstance(wrapper, FSDP):
+            return self._manual_optimization_step(module, wrapper, *args, **kwargs)
+        if method_name == "training_step":  # backward still needs the views (activation checkpointing reads them)
+            return super()._step(method_name, *args, **kwargs)
+        with self._guarding_views():
+            return super()._step(method_name, *args, **kwargs)
+
+    def _manual_optimization_step(self, module: pl.LightningModule, wrapper: FSDP, *args: Any, **kwargs: Any) -> Any:
+        # Manual optimization runs backward (and optimizer steps) inside the step, which fairscale does not allow
+        # inside the root's forward (its backward hooks assert that the forward has ended). The step runs on its own
+        # instead, and every module call it makes (`self(...)`, `self.discriminator(x)`) goes through the root's
+        # forward: gathered parameters, backward hooks, and parameters that an optimizer step just changed.
+        if self._routing is None or self._routing.lightning_module is not module:
+            self._routing = SubmoduleCallRouting(wrapper, module)
+        wrapper.training = module.training
+        with self._routing.routing():
+            return module.training_step(*args, **kwargs)
+
+    @contextmanager
+    @override
+    def complete_gradients(self) -> Generator[None, None, None]:
+        # Flattening took the original parameters off their modules: they come back, full, with full gradients.
+        if not isinstance(self.model, FSDP):
+            yield None
+            return
+        with self._guarding_views(), full_fairscale_parameters([_unit_view(unit) for unit in self._units]):
+            yield None
+
     def _unshard_into_module(self) -> None:
         """Gives the LightningModule back its own full parameters and submodules, as before setup.
 
         The process goes on running the user's script (one script per rank, or a single process), so the module must
         work again: every rank gathers the full parameters once, the original parameters are registered again with
-        them, and the children this strategy wrapped replace their wrappers. Submodules the user wrapped in
-        ``configure_model`` stay wrapped.
+        them (tied ones as one parameter again), and the children this strategy wrapped (its own choice or marked
+        with ``fairscale.nn.wrap``) replace their wrappers. Submodules wrapped in FSDP by hand stay wrapped.
         """
         root = self._root()
         flattened: list[tuple[Module, str, Tensor, bool]] = []
+        tied: list[tuple[Module, str, Module, str]] = []
         sharded: list[tuple[Parameter, Tensor]] = []
         with root.summon_full_params(recurse=True, volatile=True):
             for unit in self._units:
@@ -557,12 +470,18 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
                     for _, owner, name in unit.param._param_infos:
                         full = getattr(owner, name).detach().clone()
                         flattened.append((owner, name, full, unit.param.requires_grad))
+                    shared = unit.param._shared_param_infos
+                    tied += [(owner, name, holder, of) for *_, owner, name, holder, of in shared]
                 else:
                     sharded.append((unit.param, unit.param.detach().clone()))
         for owner, name, full, requires_grad in flattened:
             if hasattr(owner, name):
                 delattr(owner, name)
             owner.register_parameter(name, Parameter(full, requires_grad=requires_grad))
+        for owner, name, holder, holder_name in tied:  # one parameter again, as before wrapping
+            if hasattr(owner, name):
+                delattr(owner, name)
+            owner.register_parameter(name, getattr(holder, holder_name))
         for param, full in sharded:
             param.data = full
         for parent, name, child in self._original_children:
@@ -580,7 +499,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         super().teardown()  # gathers the final weights for the launcher: the patches must still be in place
         # The layouts stay until the next setup: after an in-place fit the optimizers still hold flat shards, and
         # `trainer.save_checkpoint` after `fit` gathers them into canonical state through these layouts.
-        self._units, self._original_children = [], []
+        self._units, self._original_children, self._view_guard = [], [], None
         self._routing = None  # it holds the root wrapper, which the run no longer needs
         if self._cpu_patched:
             fairscale_cpu.uninstall()
@@ -594,8 +513,10 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         for unit in self._units:
             for name, shape in zip(unit.names, unit.shapes, strict=True):
                 expected[name] = torch.empty(shape, dtype=unit.param.dtype, device="meta")
-        for key, buffer in _persistent_buffers(self._root()):
+        for key, buffer in persistent_buffers(self._root()):
             expected[key] = torch.empty(buffer.shape, dtype=buffer.dtype, device="meta")
+        for alias, holder in self._aliases.items():  # a plain module's state_dict names a tied parameter each time
+            expected[alias] = expected[holder]
         return expected
 
     @override
@@ -608,18 +529,21 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         if extra_state or sub_groups:
             # Extra state is only known to the modules' own state_dict, and a shard of a smaller group may not reach
             # global rank 0: both are gathered through the root wrapper.
-            return to_cpu_state(root.state_dict()) if self.is_global_zero else {}
+            with self._guarding_views():
+                return to_cpu_state(root.state_dict()) if self.is_global_zero else {}
         # Each flat shard is gathered to rank 0 only and cut into the parameters it holds (fairscale's state_dict
         # would gather every full parameter on every rank); buffers are whole on every rank.
         state: dict[str, Any] = {}
         for unit in self._units:
-            full = gather_full(unit.param.data, unit.numel, unit.instance.process_group)
+            full = gather_full(unit.local_shard, unit.numel, unit.instance.process_group)
             if full is not None:
                 state.update(zip(unit.names, split_full(full.cpu(), unit.shapes, copy=False), strict=True))
         if not self.is_global_zero:
             return {}
-        for key, buffer in _persistent_buffers(root):
+        for key, buffer in persistent_buffers(root):
             state[key] = buffer.detach().cpu().clone()
+        for alias, holder in self._aliases.items():  # the same tensor, as in a plain module's state_dict
+            state[alias] = state[holder]
         if set(self._state_key_order) == set(state):
             state = {key: state[key] for key in self._state_key_order}
         return state
@@ -634,11 +558,12 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
     def _load_canonical_model_state(self, state: Mapping[str, Any], strict: bool) -> None:
         root = self._root()
         check_model_state(self._expected_model_state(), state, strict=strict, source=self._checkpoint_source)
-        root.load_state_dict(dict(state), strict=strict)
+        with self._guarding_views():
+            root.load_state_dict(dict(state), strict=strict)
 
     # ------------------------------------------------------------------ optimizer state
 
-    def _layout_of(self, optimizer: Optimizer) -> _Layout:
+    def _layout_of(self, optimizer: Optimizer) -> OptimizerLayout:
         layout = self._layouts.get(id(optimizer))
         if layout is None:
             raise RuntimeError(
@@ -746,10 +671,9 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
 
         ``units``: the flat shards in ``local_state_dict()`` (its key, the canonical names and shapes it holds, the
         size of its process group); ``optimizers``: for each optimizer, the canonical names of each param group and
-        which unit each index of its flat state is; ``aliases``: the other names of tied parameters, each mapped to
-        the name a unit holds it under.
+        which unit each index of its flat state is; ``aliases``: the other keys of tied parameters.
         """
-        key_of = {id(param): _canonical(name) for name, param in self._root().named_parameters()}
+        key_of = {id(param): canonical_name(name) for name, param in self._root().named_parameters()}
         position = {id(unit.param): index for index, unit in enumerate(self._units)}
         units = [
             {
@@ -775,7 +699,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             "world_size": self.world_size,
             "units": units,
             "optimizers": optimizers,
-            "aliases": dict(self._aliases),
+            "aliases": dict(self._aliases),  # tied parameters' other keys -> the key that holds them
         }
 
     @override
@@ -837,11 +761,12 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             super().load_model_state_dict(checkpoint, strict)
             return
         root = self._root()
-        for _, instance in _fsdp_instances(root):
+        for _, instance in fsdp_instances(root):
             instance._lazy_init()  # load_local_state_dict needs every instance initialised
         # Every rank validates its shard (and optimizer states) and the ranks agree, before any weight changes.
         self._refuse_unless_every_rank_fits(self._sharded_problem(checkpoint, strict))
-        root.load_local_state_dict(checkpoint["state_dict"], strict=strict)
+        with self._guarding_views():
+            root.load_local_state_dict(checkpoint["state_dict"], strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -285,6 +285,25 @@ class FSDP2Strategy(DirectReferenceStrategy):
         with full_dtensor_gradients(self.require_lightning_module().parameters()):
             yield None
 
+    @contextmanager
+    @override
+    def full_parameters(self) -> Generator[None, None, None]:
+        """The LightningModule's parameters as plain full tensors, on every rank, for reading them in hooks.
+
+        Outside forward and backward a sharded module's parameters are DTensors holding this rank's shard, and
+        ``float(param.norm())`` gives this rank's part. Inside, every sharded submodule is unsharded (all-gathered)
+        and its parameter attributes are the full tensors; they are resharded on exit. Every rank must enter it.
+        """
+        module = self.lightning_module
+        units = [unit for unit in module.modules() if isinstance(unit, FSDPModule)] if module is not None else []
+        for unit in units:
+            unit.unshard()
+        try:
+            yield None
+        finally:
+            for unit in units:
+                unit.reshard()
+
     @override
     def teardown(self) -> None:
         super().teardown()

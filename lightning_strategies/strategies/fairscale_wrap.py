@@ -1,0 +1,239 @@
+"""How FairScaleFSDPStrategy wraps a module: flat parameters by class, tied parameters kept together, guarded views.
+
+- One flat parameter has one set of hyper-parameters and one ``requires_grad``. fairscale's flatten wrapper can hold
+  several flat parameters; :class:`ClassifiedFSDP` gives it one per class of parameters (by default: per
+  ``requires_grad``; during fit: per optimizer param group and ``requires_grad``), so a layer's weight and bias can
+  be in different param groups and frozen parameters can sit next to trained ones.
+- A parameter shared by two submodules must be sharded by one FSDP instance, or each instance trains its own copy:
+  :func:`tie_safe_policy` never wraps a submodule whose parameters are also used outside it, and
+  :func:`require_ties_kept` refuses a model whose ties were split anyway.
+- Between steps a flattened module's parameter attributes are views of freed storage; reading one crashes the
+  process or returns garbage. :class:`ViewGuard` puts :class:`NotGatheredParameter` placeholders there, which raise
+  an error that names ``trainer.strategy.full_parameters()``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from fairscale.nn.data_parallel import FullyShardedDataParallel
+from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
+from fairscale.nn.misc.flatten_params_wrapper import FlatParameter, FlattenParamsWrapper
+from fairscale.nn.wrap import default_auto_wrap_policy
+from torch import Tensor
+from torch.nn import Module, Parameter
+
+from lightning_strategies.checkpoint.flat_layout import canonical_name, fsdp_instances, join_name, tied_aliases
+
+ParamClass = Callable[[Parameter], Hashable]
+
+
+def by_requires_grad(param: Parameter) -> Hashable:
+    """The default class of a parameter: trained or frozen (fairscale flattens only equal ``requires_grad``)."""
+    return param.requires_grad
+
+
+class _ClassifiedFlattenParamsWrapper(FlattenParamsWrapper):
+    """A flatten wrapper that splits the one parameter list FSDP gives it into one list per class of parameters."""
+
+    param_class: ParamClass = by_requires_grad  # set for the duration of one FSDP constructor call
+
+    def __init__(self, module: Module, param_list: Any = None, flat_param_names: Any = None) -> None:
+        params: list[Parameter] = [param for group in param_list or [] for param in group]
+        if params and flat_param_names is None:
+            classes: dict[Hashable, list[Parameter]] = {}
+            for param in params:
+                classes.setdefault(type(self).param_class(param), []).append(param)
+            param_list = list(classes.values())
+        super().__init__(module, param_list=param_list, flat_param_names=flat_param_names)
+
+
+@contextmanager
+def _flatten_by(param_class: ParamClass) -> Iterator[None]:
+    """While an FSDP is constructed, its flatten wrapper gets one parameter list per class instead of one in all.
+
+    ``FullyShardedDataParallel.__init__`` passes all its parameters as a single list to ``FlattenParamsWrapper``,
+    which itself accepts a list of lists (one flat parameter each). The name is replaced in fairscale's module by a
+    subclass for the duration of one constructor call only (isinstance checks keep holding).
+    """
+    namespace = vars(fsdp_module)
+    original = namespace["FlattenParamsWrapper"]
+    _ClassifiedFlattenParamsWrapper.param_class = param_class
+    namespace["FlattenParamsWrapper"] = _ClassifiedFlattenParamsWrapper
+    try:
+        yield
+    finally:
+        namespace["FlattenParamsWrapper"] = original
+        _ClassifiedFlattenParamsWrapper.param_class = by_requires_grad
+
+
+class ClassifiedFSDP(FullyShardedDataParallel):
+    """A ``FullyShardedDataParallel`` that flattens each class of parameters into a flat parameter of its own.
+
+    Args:
+        module: The module to wrap.
+        param_class: The class of each parameter; parameters of one class share a flat parameter (in the order
+            the classes first appear). Default: :func:`by_requires_grad`.
+        **kwargs: ``FullyShardedDataParallel``'s options.
+    """
+
+    def __init__(self, module: Module, *, param_class: ParamClass = by_requires_grad, **kwargs: Any) -> None:
+        with _flatten_by(param_class):
+            super().__init__(module, **kwargs)
+
+
+class WrapRequests:
+    """Submodules that ``fairscale.nn.wrap`` marked in ``configure_model``, wrapped once the optimizers exist.
+
+    Wrapping flattens: a submodule wrapped in ``configure_model`` would show ``configure_optimizers()`` a flat
+    parameter (``..._fsdp_wrapped_module.flat_param_0``) instead of its weights and biases, and param groups chosen
+    by name would silently take the wrong parameters. So ``wrap`` only marks the submodule (it returns it
+    unchanged), and :meth:`apply` wraps the marked ones, innermost first, when the strategy wraps the model.
+    """
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[Module, dict[str, Any]]] = []
+
+    def marker(self) -> type:
+        """The ``wrapper_cls`` for ``enable_wrap``: calling it records the submodule and its options."""
+        requests = self.requests
+
+        class MarkedForWrapping:
+            def __new__(cls, module: Module, **overrides: Any) -> Module:  # type: ignore[misc]
+                requests.append((module, overrides))
+                return module
+
+        return MarkedForWrapping
+
+    def apply(self, model: Module, make: Callable[..., Module]) -> bool:
+        """Wraps every marked submodule of ``model`` with ``make(submodule, **overrides)``; whether any was."""
+        path_of = {id(submodule): path for path, submodule in model.named_modules()}
+        marked = [(path_of[id(module)], overrides) for module, overrides in self.requests if path_of.get(id(module))]
+        self.requests.clear()
+        for path, overrides in sorted(marked, key=lambda item: -item[0].count(".")):  # innermost first
+            parent_path, _, name = path.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            setattr(parent, name, make(getattr(parent, name), **overrides))
+        return bool(marked)
+
+
+def tie_safe_policy(model: Module, min_num_params: int) -> Callable[..., bool]:
+    """fairscale's ``default_auto_wrap_policy``, except that a submodule sharing parameters with others stays unwrapped.
+
+    Wrapping such a submodule would flatten its copy of the shared parameter apart from the other users' (GPT-2's
+    ``wte`` and ``lm_head``): training would silently untie them. Its parameters go to the nearest wrapped ancestor
+    that holds every user (in the end the root).
+
+    Args:
+        model: The whole module being wrapped (every user of every parameter).
+        min_num_params: As in ``default_auto_wrap_policy``.
+
+    Returns:
+        The policy for ``fairscale.nn.wrap.auto_wrap``.
+    """
+    uses = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
+
+    def policy(module: Module, recurse: bool, **sizes: Any) -> bool:
+        # `sizes`: fairscale's counts of parameters not yet wrapped and whether the module is the root, by keyword.
+        if not default_auto_wrap_policy(module=module, recurse=recurse, min_num_params=min_num_params, **sizes):
+            return False
+        if recurse:
+            return True
+        inside = Counter(id(param) for _, param in module.named_parameters(remove_duplicate=False))
+        return all(count == uses[key] for key, count in inside.items() if key in uses)
+
+    return policy
+
+
+def require_ties_kept(before: Mapping[str, str], root: Module) -> None:
+    """Refuses a wrapped model in which parameters that were tied before wrapping are no longer one parameter.
+
+    Args:
+        before: :func:`~lightning_strategies.checkpoint.flat_layout.tied_aliases` of the module before wrapping.
+        root: The wrapped model.
+
+    Raises:
+        ValueError: Naming the split names and the fix.
+    """
+    after = tied_aliases(root)
+    split = [(alias, holder) for alias, holder in before.items() if after.get(alias) != holder]
+    if split:
+        pairs = "; ".join(f"{alias!r} and {holder!r}" for alias, holder in split[:3])
+        raise ValueError(
+            f"Tied parameters were wrapped into different FSDP instances ({pairs}{' ...' if len(split) > 3 else ''}):"
+            " each instance would train its own copy. A submodule wrapped in configure_model (fairscale.nn.wrap)"
+            " shares a parameter with a module outside it. Wrap a module that holds every user of the shared"
+            " parameter, or leave that submodule to the strategy's auto-wrapping (it keeps shared parameters"
+            " together)."
+        )
+
+
+class NotGatheredParameterError(RuntimeError):
+    """A flattened module's parameter attribute was used between steps, where it holds no value."""
+
+
+class NotGatheredParameter(Tensor):
+    """Stands in a module's parameter attribute while fairscale FSDP holds only this rank's flat shard.
+
+    Its shape, dtype and device are those of the full parameter; computing with it raises
+    :class:`NotGatheredParameterError` naming the way to the full values.
+    """
+
+    parameter_name: str
+
+    _DESCRIBING = frozenset({"shape", "dtype", "device", "size", "dim", "numel", "requires_grad", "ndim", "is_meta"})
+
+    @classmethod
+    def create(cls, name: str, shape: torch.Size, dtype: torch.dtype) -> NotGatheredParameter:
+        """A placeholder (no memory: a meta tensor) for the parameter ``name``."""
+        placeholder = torch.empty(shape, dtype=dtype, device="meta").as_subclass(cls)
+        placeholder.parameter_name = name
+        return placeholder
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> Any:
+        described = getattr(getattr(func, "__self__", None), "__name__", None) or getattr(func, "__name__", "")
+        if described in cls._DESCRIBING or described == "__repr__":
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        names = sorted({arg.parameter_name for arg in args if isinstance(arg, NotGatheredParameter)})
+        raise NotGatheredParameterError(
+            f"{', '.join(map(repr, names)) or 'A parameter'} holds no value here: fsdp_fairscale keeps only each rank's"
+            " shard of the flattened parameters between steps (only the module's forward and backward see them"
+            " whole). Read parameters in hooks and callbacks inside `with trainer.strategy.full_parameters():`"
+            " (on every rank), or pass flatten_parameters=False to keep them as (sharded) parameters."
+        )
+
+
+class ViewGuard:
+    """Puts :class:`NotGatheredParameter` placeholders where a flattened module's parameter views would dangle."""
+
+    def __init__(self, root: FullyShardedDataParallel) -> None:
+        self._placeholders: list[tuple[Module, str, NotGatheredParameter]] = []
+        for prefix, instance in fsdp_instances(root):
+            for param in instance.params:
+                if not isinstance(param, FlatParameter):
+                    continue
+                shapes = dict(zip(param.metadata()[0], param.metadata()[1], strict=True))
+                placeholder_of: dict[tuple[int, str], NotGatheredParameter] = {}
+                for path, owner, name in param._param_infos:
+                    full_name = f"{path}.{name}" if path else name
+                    display = join_name(prefix, canonical_name(full_name))
+                    placeholder = NotGatheredParameter.create(display, shapes[full_name], param.dtype)
+                    placeholder_of[(id(owner), name)] = placeholder
+                    self._placeholders.append((owner, name, placeholder))
+                for _, _, owner, name, holder, holder_name in param._shared_param_infos:
+                    shared = placeholder_of[(id(holder), holder_name)]  # tied attributes stay one object
+                    self._placeholders.append((owner, name, shared))
+
+    def guard(self) -> None:
+        """Replaces every flattened parameter attribute by its placeholder (no collective, no memory)."""
+        for owner, name, placeholder in self._placeholders:
+            if name not in owner._parameters:  # inside summon_full_params they are real parameters: leave them
+                setattr(owner, name, placeholder)
