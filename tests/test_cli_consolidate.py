@@ -137,7 +137,7 @@ class TiedHeadModel(ConformanceModel):
 
 def test_a_tied_weight_is_consolidated_under_each_of_its_names_with_its_shape(tmp_path: Path) -> None:
     sharded = train_and_save(
-        FairScaleFSDPStrategy(start_method="fork", state_dict_type="sharded"), tmp_path, model=TiedHeadModel
+        FairScaleFSDPStrategy(start_method="fork", state_dict_type="sharded"), tmp_path, cls=TiedHeadModel
     )
     out = tmp_path / "consolidated.ckpt"
 

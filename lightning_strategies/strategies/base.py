@@ -651,17 +651,21 @@ class DirectReferenceStrategy(ParallelStrategy):
         module = self.require_lightning_module()
         training = method_name == "training_step"
         self._rank_zero_buffers.before_step(module, training)
-        wrapper = self.model
-        if wrapper is None or wrapper is module:
-            output = getattr(module, method_name)(*args, **kwargs)
-        else:
-            # After validation Lightning restores train mode on the LightningModule's submodules only; the wrapper
-            # around it would stay in eval mode, and ShardedDataParallel, for one, then silently stops reducing
-            # gradients. The wrapper's own flag follows the module's (its children are the module's own).
-            wrapper.training = module.training
-            output = self._redirect(wrapper, module, method_name, *args, **kwargs)
+        output = self._run_step(method_name, *args, **kwargs)
         self._rank_zero_buffers.after_step(module, training)
         return output
+
+    def _run_step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Hook: runs one ``*_step`` of the LightningModule. Default: through the wrapper, by forward redirection."""
+        module = self.require_lightning_module()
+        wrapper = self.model
+        if wrapper is None or wrapper is module:
+            return getattr(module, method_name)(*args, **kwargs)
+        # After validation Lightning restores train mode on the LightningModule's submodules only; the wrapper around
+        # it would stay in eval mode, and ShardedDataParallel, for one, then silently stops reducing gradients. The
+        # wrapper's own flag follows the module's (its children are the module's own).
+        wrapper.training = module.training
+        return self._redirect(wrapper, module, method_name, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

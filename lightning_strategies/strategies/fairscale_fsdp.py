@@ -404,15 +404,18 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         with self._guarding_views():
             try:
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-            except ValueError as error:
-                if module.automatic_optimization or "expected to be in states" not in str(error):
+            except (ValueError, AssertionError) as error:
+                # fairscale's own state checks: a ValueError naming its states, or a bare assert in its backward hooks.
+                if module.automatic_optimization or (
+                    isinstance(error, ValueError) and "expected to be in states" not in str(error)
+                ):
                     raise
                 raise RuntimeError(
-                    "FairScaleFSDPStrategy: a backward pass in this manual-optimization step left parameters that"
-                    " require gradients without one, although a module holding them was called (e.g. a GAN's"
-                    " generator, whose output the discriminator's loss detaches). fairscale FSDP cannot finish such a"
-                    " backward pass. Call `self.toggle_optimizer(optimizer)` before each optimizer's forward and"
-                    " backward and `self.untoggle_optimizer(optimizer)` after its step, as Lightning's"
+                    f"FairScaleFSDPStrategy: fairscale FSDP could not run this manual-optimization backward pass"
+                    f" ({type(error).__name__}: {error}). It cannot when parameters that require gradients get none"
+                    " although a module holding them was called (e.g. a GAN's generator, whose output the"
+                    " discriminator's loss detaches). Call `self.toggle_optimizer(optimizer)` before each optimizer's"
+                    " forward and backward and `self.untoggle_optimizer(optimizer)` after its step, as Lightning's"
                     " manual-optimization docs do, so the other optimizer's parameters do not require gradients"
                     " meanwhile."
                 ) from error
@@ -421,15 +424,15 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         return closure_loss
 
     @override
-    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+    def _run_step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         module = self.require_lightning_module()
         wrapper = self.model
         if method_name == "training_step" and not module.automatic_optimization and isinstance(wrapper, FSDP):
             return self._manual_optimization_step(module, wrapper, *args, **kwargs)
         if method_name == "training_step":  # backward still needs the views (activation checkpointing reads them)
-            return super()._step(method_name, *args, **kwargs)
+            return super()._run_step(method_name, *args, **kwargs)
         with self._guarding_views():
-            return super()._step(method_name, *args, **kwargs)
+            return super()._run_step(method_name, *args, **kwargs)
 
     def _manual_optimization_step(self, module: pl.LightningModule, wrapper: FSDP, *args: Any, **kwargs: Any) -> Any:
         # Manual optimization runs backward (and optimizer steps) inside the step, which fairscale does not allow

@@ -176,7 +176,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         return self._device_mesh
 
     @override
-    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+    def _run_step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         # Steps are called directly and their own `self(...)` runs FSDP's hooks once. (Calling them through the
         # module's `__call__` instead re-enters the hooks when the step calls `self(...)`: the nested post-forward
         # leaves the root's parameters resharded, one more all-gather per step.) A step that calls submodules instead
