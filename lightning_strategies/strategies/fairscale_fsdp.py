@@ -728,7 +728,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._sharded_source = f"{source}: {SHARDED_RANK_FILE.format(rank=self.global_rank)}"
         return {**sharded.meta, **shard}
 
-    def _sharded_problem(self, checkpoint: Mapping[str, Any], strict: bool) -> CheckpointError | None:
+    def _sharded_problem(self, checkpoint: Mapping[str, Any]) -> CheckpointError | None:
         """Why this rank's shard does not fit this run (layout, local flat shards, optimizer states), or ``None``."""
         where = self._sharded_source
         saved, own = checkpoint.get(SHARDED_LAYOUT_KEY), self._sharded_layout()
@@ -767,7 +767,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         for _, instance in fsdp_instances(root):
             instance._lazy_init()  # load_local_state_dict needs every instance initialised
         # Every rank validates its shard (and optimizer states) and the ranks agree, before any weight changes.
-        self._refuse_unless_every_rank_fits(self._sharded_problem(checkpoint, strict))
+        self._refuse_unless_every_rank_fits(self._sharded_problem(checkpoint))
         with self._guarding_views():
             root.load_local_state_dict(checkpoint["state_dict"], strict=strict)
 
