@@ -41,7 +41,7 @@ if find_spec(_FLAVOUR.pytorch.split(".")[0]) is not None and find_spec(_FLAVOUR.
         FSDP2Strategy,
         ShardedDDPStrategy,
     )
-    from .strategies.base import RanksDisagreeError
+    from .strategies.agreement import RanksDisagreeError
 
     for _strategy in (ShardedDDPStrategy, FairScaleFSDPStrategy, FSDP2Strategy):
         _strategy.register_strategies(StrategyRegistry)

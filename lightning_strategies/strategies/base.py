@@ -9,14 +9,7 @@ to wrap and how to read/write its sharded state; see ``docs/`` ("Writing your ow
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
-import enum
-import os
 import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -44,7 +37,7 @@ from lightning_strategies.checkpoint import (
     to_cpu_state,
 )
 from lightning_strategies.checkpoint.atomic import raise_if_disk_full, replace_directory
-from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError
+from lightning_strategies.checkpoint.errors import CheckpointFormatError
 from lightning_strategies.checkpoint.sharded import (
     new_save_id,
     remove_stale_saves,
@@ -76,109 +69,26 @@ from .._lightning import (
     pl,
     reset_seed,
 )
-from .._torch_private import abort_process_group
+from .agreement import (
+    agree_on_resume_path,
+    forget_resume_path_check,
+    options_fingerprint,
+    require_agreement,
+    require_same_save_path,
+)
 from .atomic_io import AtomicTorchCheckpointIO
 from .buffers import RankZeroBuffers
+from .failures import (
+    default_failure_timeout,
+    leave_the_process_group_at_exit,
+    leave_the_process_group_now,
+    stop_started_ranks,
+)
 from .launcher import HAND_BACK_OPTIONS, CanonicalStateLauncher, HandBack
 from .precision import install_agreeing_scaler, remove_agreeing_scaler
 from .redirection import ForwardRedirection
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-
-#: Environment variable that sets the default ``failure_timeout`` (seconds) of every strategy of this package.
-FAILURE_TIMEOUT_ENV = "LIGHTNING_STRATEGIES_FAILURE_TIMEOUT"
-DEFAULT_FAILURE_TIMEOUT = 10.0
-
-
-_leaving_at_exit = False
-
-
-def _leave_the_process_group_at_exit() -> None:
-    """Destroys the default process group when the interpreter exits, before C++ statics are torn down.
-
-    A process that ends with its gloo process group alive (a spawned worker, or the user's script after ``fit``)
-    aborted now and then at exit ("terminate called without an active exception", SIGABRT): the group's threads
-    were still joinable when their objects were destroyed. Leaving the group from ``atexit`` joins them in order.
-    """
-    global _leaving_at_exit
-    if _leaving_at_exit:
-        return
-    _leaving_at_exit = True
-
-    def leave() -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-    atexit.register(leave)
-
-
-class RanksDisagreeError(RuntimeError):
-    """The processes of one run were given different settings (strategy options, checkpoint paths).
-
-    Raised on every rank, before the disagreement could pair up mismatched collectives (a deadlock).
-    """
-
-
-# Attributes that hold run state, not options: they may differ between processes without harm.
-_RUN_STATE = frozenset(
-    {
-        "_checkpoint_source",
-        "_failure_timeout",
-        "_failed",
-        "_sharded_source",  # each rank names its own rank file
-        "_sharded_checkpoint",
-    }
-)
-
-
-_NO_VALUE = object()
-
-
-def _by_value(value: Any, depth: int = 0) -> Any:
-    """``value`` as plain data that two ranks with equal options compute alike; ``_NO_VALUE`` when it has none."""
-    if value is None or isinstance(value, bool | int | float | str | timedelta):
-        return value
-    if depth > 8:
-        return _NO_VALUE
-    if isinstance(value, torch.dtype | torch.device):
-        return str(value)
-    if isinstance(value, type):
-        return f"{value.__module__}.{value.__qualname__}"
-    if isinstance(value, enum.Enum):
-        return f"{type(value).__qualname__}.{value.name}"
-    parts: list[tuple[str, Any]]
-    if dataclasses.is_dataclass(value):
-        parts = [(field.name, getattr(value, field.name)) for field in dataclasses.fields(value)]
-        parts.insert(0, ("type", type(value).__qualname__))
-    elif isinstance(value, Mapping):
-        parts = sorted(((str(key), item) for key, item in value.items()), key=lambda pair: pair[0])
-    elif isinstance(value, list | tuple | set | frozenset):
-        items = [_by_value(item, depth + 1) for item in value]
-        if any(item is _NO_VALUE for item in items):
-            return _NO_VALUE
-        return sorted(items, key=repr) if isinstance(value, set | frozenset) else items
-    else:
-        return _NO_VALUE
-    converted = {key: _by_value(item, depth + 1) for key, item in parts}
-    return _NO_VALUE if any(item is _NO_VALUE for item in converted.values()) else converted
-
-
-def default_failure_timeout() -> float:
-    """``$LIGHTNING_STRATEGIES_FAILURE_TIMEOUT`` in seconds if set, else 10.
-
-    Raises:
-        ValueError: The variable is set but not a positive number.
-    """
-    text = os.environ.get(FAILURE_TIMEOUT_ENV)
-    if text is None:
-        return DEFAULT_FAILURE_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{FAILURE_TIMEOUT_ENV}={text!r} must be a positive number of seconds, e.g. 10.")
-    return value
 
 
 class DirectReferenceStrategy(ParallelStrategy):
@@ -329,7 +239,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
-        _leave_the_process_group_at_exit()
+        leave_the_process_group_at_exit()
 
     # ------------------------------------------------------------------ failures: every rank goes down, none waits
 
@@ -367,33 +277,10 @@ class DirectReferenceStrategy(ParallelStrategy):
         """
         super().on_exception(exception)
         self._failed = True
-        if _distributed_is_initialized():
-            if torch.distributed.get_backend() == "nccl":
-                # NCCL's graceful shutdown waits for the pending collective, which a dead peer never joins.
-                abort_process_group()
-            else:
-                torch.distributed.destroy_process_group()
-        self._stop_started_ranks()
-
-    def _stop_started_ranks(self) -> None:
-        """Waits up to ``failure_timeout`` for the ranks this process started (subprocess launcher), then kills them."""
+        leave_the_process_group_now()
         launcher = self._launcher
-        children: list[subprocess.Popen[Any]] = (
-            list(launcher.procs) if isinstance(launcher, _SubprocessScriptLauncher) else []
-        )
-        deadline = time.monotonic() + self.failure_timeout
-        for local_rank, child in enumerate(children, start=1):
-            try:
-                child.wait(timeout=max(deadline - time.monotonic(), 0.0))
-            except subprocess.TimeoutExpired:
-                print(
-                    f"[{type(self).__name__}] local rank {local_rank} (pid {child.pid}) did not end within"
-                    f" failure_timeout={self.failure_timeout:g} s after this run failed; killing it.",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                child.kill()
-                child.wait()
+        children = list(launcher.procs) if isinstance(launcher, _SubprocessScriptLauncher) else []
+        stop_started_ranks(children, self.failure_timeout, owner=type(self).__name__)
 
     # ------------------------------------------------------------------ ranks must agree
 
@@ -403,15 +290,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         Plain values, dtypes, devices, enums, classes, dataclasses (fsdp2's ``MixedPrecisionPolicy``) and containers
         of these are compared by value; objects without one (modules, process groups, plugins) are left out.
         """
-        options: dict[str, Any] = {"class": f"{type(self).__module__}.{type(self).__qualname__}"}
-        for name, value in sorted(vars(self).items()):
-            if name in _RUN_STATE:
-                continue
-            comparable = _by_value(value)
-            if comparable is not _NO_VALUE:
-                options[name.lstrip("_")] = comparable
-        options["precision"] = type(self.precision_plugin).__qualname__
-        return options
+        return options_fingerprint(self, self.precision_plugin)
 
     def require_agreement(self, values: Mapping[str, Any], what: str, fix: str) -> None:
         """Checks that every rank passes the same ``values`` (a collective: every rank must call it).
@@ -424,49 +303,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         Raises:
             RanksDisagreeError: On every rank, naming each value that differs from rank 0's and the ranks involved.
         """
-        if not _distributed_is_initialized() or torch.distributed.get_world_size() < 2:
-            return
-        everyone: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, dict(values))
-        reference: dict[str, Any] = everyone[0]
-        differences = [
-            f"{key}: rank 0 has {reference.get(key)!r}, rank {rank} has {theirs.get(key)!r}"
-            for rank, theirs in enumerate(everyone)
-            for key in sorted(set(reference) | set(theirs))
-            if theirs.get(key) != reference.get(key)
-        ]
-        if differences:
-            raise RanksDisagreeError(
-                f"The processes of this run disagree on {what}, so they cannot work together; nothing was done."
-                f"\n  " + "\n  ".join(differences[:10]) + f"\nEvery process must get the same values: {fix}."
-            )
-
-    def _check_resume_path_agreement(self, trainer: pl.Trainer) -> None:
-        """Makes the Trainer check, on every rank, that all ranks resume from the same ``ckpt_path`` (or none)."""
-        connector = getattr(trainer, "_checkpoint_connector", None)
-        resume_start = getattr(connector, "resume_start", None)
-        if connector is None or resume_start is None or "resume_start" in vars(connector):
-            return
-
-        # The Trainer starts every restore (with a path or None) here on all ranks right after setup; a rank that
-        # resumes while another starts afresh would otherwise wait in the load's collectives for ever.
-        def agreeing_resume_start(checkpoint_path: _PATH | None = None, *args: Any, **kwargs: Any) -> Any:
-            del vars(connector)["resume_start"]
-            path = None if checkpoint_path is None else str(checkpoint_path)
-            self.require_agreement(
-                {"ckpt_path": path}, "the checkpoint to resume from", "pass the same ckpt_path to fit() on every rank"
-            )
-            return resume_start(checkpoint_path, *args, **kwargs)
-
-        vars(connector)["resume_start"] = agreeing_resume_start
-
-    def _require_same_save_path(self, filepath: _PATH) -> None:
-        self.require_agreement(
-            {"filepath": str(filepath)},
-            "where to save the checkpoint",
-            "call trainer.save_checkpoint(path) with the same path on every rank (compute it on rank 0 and"
-            " broadcast it with trainer.strategy.broadcast(path))",
-        )
+        require_agreement(values, what, fix)
 
     def set_world_ranks(self) -> None:
         """Derives global rank and world size from node rank, local rank and the process count."""
@@ -516,7 +353,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         self.require_agreement(
             self.options_fingerprint(), "the strategy's options", "configure the strategy the same way"
         )
-        self._check_resume_path_agreement(trainer)
+        agree_on_resume_path(trainer, self.require_agreement)
         self.accelerator.setup(trainer)
         module = self.require_lightning_module()
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -620,7 +457,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         if isinstance(self._launcher, CanonicalStateLauncher) and trainer is not None:
             self._launcher.capture_end_of_fit(trainer)  # while the wrapper can still gather
         if trainer is not None:  # a run that ended before the Trainer restored anything
-            vars(trainer._checkpoint_connector).pop("resume_start", None)
+            forget_resume_path_check(trainer)
         if self._precision_plugin is not None:
             vars(self._precision_plugin).pop("clip_grad_by_norm", None)
             remove_agreeing_scaler(self._precision_plugin)
@@ -733,7 +570,7 @@ class DirectReferenceStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        self._require_same_save_path(filepath)  # a rank's different path would be silently ignored
+        require_same_save_path(filepath)  # a rank's different path would be silently ignored
         if isinstance(self._launcher, CanonicalStateLauncher):  # the main process after a fork/spawn fit
             checkpoint = self._launcher.complete_checkpoint(checkpoint)
         if self.is_global_zero:
@@ -756,7 +593,7 @@ class DirectReferenceStrategy(ParallelStrategy):
             write_shards: Writes this rank's shards into the staging directory it is given, stamped with the save id
                 it is given (a collective for some formats).
         """
-        self._require_same_save_path(directory)  # shards in different directories: none of them complete
+        require_same_save_path(directory)  # shards in different directories: none of them complete
         save_id: str = self.broadcast(new_save_id() if self.is_global_zero else "")
         staging = staging_directory(directory, save_id)
         if self.is_global_zero:
@@ -810,22 +647,6 @@ class DirectReferenceStrategy(ParallelStrategy):
                 schedulers = [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
                 resume_without_optimizer_state(checkpoint, len(self.optimizers), schedulers, self._checkpoint_source)
         self._load_canonical_model_state(checkpoint["state_dict"], strict=strict)
-
-    def _refuse_unless_every_rank_fits(self, problem: CheckpointError | None) -> None:
-        """Raises on every rank when the sharded state of any rank does not fit (a collective: all ranks call it).
-
-        Each rank validates its own shard; they agree before any of them loads, so a bad shard on one rank leaves
-        the weights of every rank untouched.
-        """
-        if _distributed_is_initialized() and torch.distributed.get_world_size() > 1:
-            everyone: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(everyone, None if problem is None else str(problem))
-            failed = [(rank, text) for rank, text in enumerate(everyone) if text is not None]
-            if problem is None and failed:
-                rank, text = failed[0]
-                raise CheckpointFormatError(f"Rank {rank} refused its shard; nothing was loaded. {text}")
-        if problem is not None:
-            raise problem
 
     def _restoring_optimizers(self, trainer: pl.Trainer) -> bool:
         return trainer.state.fn == TrainerFn.FITTING and self.lightning_restore_optimizer

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from fairscale.internal.parallel import get_process_group_cached
 from fairscale.nn.data_parallel import FullyShardedDataParallel
 from fairscale.nn.misc.flatten_params_wrapper import FlatParameter
 from fairscale.nn.wrap import auto_wrap, enable_wrap
@@ -63,6 +62,7 @@ from lightning_strategies.checkpoint.sharded import (
 )
 
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl
+from .agreement import refuse_unless_every_rank_fits
 from .base import DirectReferenceStrategy, StartMethod
 from .fairscale_wrap import (
     ClassifiedFSDP,
@@ -70,10 +70,12 @@ from .fairscale_wrap import (
     ViewGuard,
     WrapRequests,
     by_requires_grad,
+    forget_stale_fairscale_groups,
     require_ties_kept,
     tie_safe_policy,
+    unit_view,
 )
-from .full_gradients import FairScaleUnitView, full_fairscale_parameters
+from .full_gradients import full_fairscale_parameters
 from .launcher import CanonicalStateLauncher, HandBack
 from .optimizers import OptimizerNeed, refuse_unsupported_optimizers, retarget_schedulers, twin_optimizer
 from .redirection import SubmoduleCallRouting
@@ -94,46 +96,6 @@ _REFUSED_OPTIMIZER_NEEDS = {
     ),
     OptimizerNeed.SPARSE_GRADIENTS: "fairscale FSDP flattens and shards gradients as dense tensors",
 }
-
-
-def _unit_view(unit: FlatUnit) -> FairScaleUnitView:
-    """What the full-gradients context needs of a unit: where its original parameters live on their modules."""
-    param = unit.param
-    owners: list[tuple[Module, str]] = []
-    shared: list[tuple[Module, str, int]] = []
-    if isinstance(param, FlatParameter):
-        owners = [(owner, name) for _, owner, name in param._param_infos]
-        position = {(id(owner), name): index for index, (owner, name) in enumerate(owners)}
-        for _, _, owner, name, source, source_name in param._shared_param_infos:
-            shared.append((owner, name, position[(id(source), source_name)]))
-    instance = unit.instance
-    return FairScaleUnitView(
-        param,
-        unit.shapes,
-        owners,
-        shared,
-        rank=instance.rank,
-        world_size=instance.world_size,
-        group=instance.process_group,
-        flat=isinstance(param, FlatParameter),
-    )
-
-
-def _forget_stale_fairscale_groups() -> None:
-    """Drops fairscale's process-group cache when it holds groups of a process group that no longer exists.
-
-    fairscale caches the groups FSDP uses for the life of the process, keyed by name and ranks only. After a process
-    group is destroyed and created again (a second run in one process, or a worker forked from a process that ran
-    one) the cached groups are dead and every collective on them fails with "Group ... is not registered".
-    """
-    cache: dict[Any, Any] | None = vars(get_process_group_cached).get("_global_group_cache")
-    if not cache:
-        return
-    try:
-        for group in cache.values():
-            torch.distributed.get_global_rank(group, 0)
-    except (ValueError, RuntimeError):
-        del vars(get_process_group_cached)["_global_group_cache"]
 
 
 class FairScaleFSDPStrategy(DirectReferenceStrategy):
@@ -250,7 +212,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        _forget_stale_fairscale_groups()
+        forget_stale_fairscale_groups()
         if self.root_device.type == "cpu" and not self._cpu_patched:
             pin_memory = self._offloads or bool(self._fsdp_kwargs.get("move_grads_to_cpu"))
             self._cpu_patched = fairscale_cpu.install(pin_memory=pin_memory)
@@ -452,7 +414,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         if not isinstance(self.model, FSDP):
             yield None
             return
-        with self._guarding_views(), full_fairscale_parameters([_unit_view(unit) for unit in self._units]):
+        with self._guarding_views(), full_fairscale_parameters([unit_view(unit) for unit in self._units]):
             yield None
 
     def _unshard_into_module(self) -> None:
@@ -767,7 +729,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         for _, instance in fsdp_instances(root):
             instance._lazy_init()  # load_local_state_dict needs every instance initialised
         # Every rank validates its shard (and optimizer states) and the ranks agree, before any weight changes.
-        self._refuse_unless_every_rank_fits(self._sharded_problem(checkpoint))
+        refuse_unless_every_rank_fits(self._sharded_problem(checkpoint))
         with self._guarding_views():
             root.load_local_state_dict(checkpoint["state_dict"], strict=strict)
 

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from fairscale.internal.parallel import get_process_group_cached
 from fairscale.nn.data_parallel import FullyShardedDataParallel
 from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
 from fairscale.nn.misc.flatten_params_wrapper import FlatParameter, FlattenParamsWrapper
@@ -27,7 +28,15 @@ from fairscale.nn.wrap import default_auto_wrap_policy
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from lightning_strategies.checkpoint.flat_layout import canonical_name, fsdp_instances, join_name, tied_aliases
+from lightning_strategies.checkpoint.flat_layout import (
+    FlatUnit,
+    canonical_name,
+    fsdp_instances,
+    join_name,
+    tied_aliases,
+)
+
+from .full_gradients import FairScaleUnitView
 
 ParamClass = Callable[[Parameter], Hashable]
 
@@ -237,3 +246,43 @@ class ViewGuard:
         for owner, name, placeholder in self._placeholders:
             if name not in owner._parameters:  # inside summon_full_params they are real parameters: leave them
                 setattr(owner, name, placeholder)
+
+
+def unit_view(unit: FlatUnit) -> FairScaleUnitView:
+    """What the full-gradients context needs of a unit: where its original parameters live on their modules."""
+    param = unit.param
+    owners: list[tuple[Module, str]] = []
+    shared: list[tuple[Module, str, int]] = []
+    if isinstance(param, FlatParameter):
+        owners = [(owner, name) for _, owner, name in param._param_infos]
+        position = {(id(owner), name): index for index, (owner, name) in enumerate(owners)}
+        for _, _, owner, name, source, source_name in param._shared_param_infos:
+            shared.append((owner, name, position[(id(source), source_name)]))
+    instance = unit.instance
+    return FairScaleUnitView(
+        param,
+        unit.shapes,
+        owners,
+        shared,
+        rank=instance.rank,
+        world_size=instance.world_size,
+        group=instance.process_group,
+        flat=isinstance(param, FlatParameter),
+    )
+
+
+def forget_stale_fairscale_groups() -> None:
+    """Drops fairscale's process-group cache when it holds groups of a process group that no longer exists.
+
+    fairscale caches the groups FSDP uses for the life of the process, keyed by name and ranks only. After a process
+    group is destroyed and created again (a second run in one process, or a worker forked from a process that ran
+    one) the cached groups are dead and every collective on them fails with "Group ... is not registered".
+    """
+    cache: dict[Any, Any] | None = vars(get_process_group_cached).get("_global_group_cache")
+    if not cache:
+        return
+    try:
+        for group in cache.values():
+            torch.distributed.get_global_rank(group, 0)
+    except (ValueError, RuntimeError):
+        del vars(get_process_group_cached)["_global_group_cache"]

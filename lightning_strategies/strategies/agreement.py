@@ -1,0 +1,185 @@
+"""Rank agreement: the processes of one run compare what they were given before they run collectives on it.
+
+A rank that wraps, resumes or saves differently from its peers pairs its collectives with theirs wrongly and waits
+for ever; comparing first turns that deadlock into a :class:`RanksDisagreeError` on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed
+
+from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError
+
+from .._lightning import _PATH, _distributed_is_initialized, pl
+
+
+class RanksDisagreeError(RuntimeError):
+    """The processes of one run were given different settings (strategy options, checkpoint paths).
+
+    Raised on every rank, before the disagreement could pair up mismatched collectives (a deadlock).
+    """
+
+
+# Attributes that hold run state, not options: they may differ between processes without harm.
+RUN_STATE_ATTRIBUTES = frozenset(
+    {
+        "_checkpoint_source",
+        "_failure_timeout",
+        "_failed",
+        "_sharded_source",  # each rank names its own rank file
+        "_sharded_checkpoint",
+    }
+)
+
+
+class _NoValue:
+    """Marks an object that has no value two processes could compare (a module, a process group, a plugin)."""
+
+
+NO_VALUE: Any = _NoValue()
+
+
+def comparable_value(value: Any, depth: int = 0) -> Any:
+    """``value`` as plain data that two ranks with equal options compute alike; :data:`NO_VALUE` when it has none."""
+    if value is None or isinstance(value, bool | int | float | str | timedelta):
+        return value
+    if depth > 8:
+        return NO_VALUE
+    if isinstance(value, torch.dtype | torch.device):
+        return str(value)
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
+    parts: list[tuple[str, Any]]
+    if dataclasses.is_dataclass(value):
+        parts = [(field.name, getattr(value, field.name)) for field in dataclasses.fields(value)]
+        parts.insert(0, ("type", type(value).__qualname__))
+    elif isinstance(value, Mapping):
+        parts = sorted(((str(key), item) for key, item in value.items()), key=lambda pair: pair[0])
+    elif isinstance(value, list | tuple | set | frozenset):
+        items = [comparable_value(item, depth + 1) for item in value]
+        if any(item is NO_VALUE for item in items):
+            return NO_VALUE
+        return sorted(items, key=repr) if isinstance(value, set | frozenset) else items
+    else:
+        return NO_VALUE
+    converted = {key: comparable_value(item, depth + 1) for key, item in parts}
+    return NO_VALUE if any(item is NO_VALUE for item in converted.values()) else converted
+
+
+def options_fingerprint(strategy: Any, precision_plugin: Any) -> dict[str, Any]:
+    """The class of ``strategy`` and every attribute of it that has a value to compare, plus its precision plugin."""
+    options: dict[str, Any] = {"class": f"{type(strategy).__module__}.{type(strategy).__qualname__}"}
+    for name, value in sorted(vars(strategy).items()):
+        if name in RUN_STATE_ATTRIBUTES:
+            continue
+        comparable = comparable_value(value)
+        if comparable is not NO_VALUE:
+            options[name.lstrip("_")] = comparable
+    options["precision"] = type(precision_plugin).__qualname__
+    return options
+
+
+def _gather_from_every_rank(value: Any) -> list[Any] | None:
+    """Every rank's ``value`` in rank order (a collective); ``None`` when this process runs alone."""
+    if not _distributed_is_initialized() or torch.distributed.get_world_size() < 2:
+        return None
+    everyone: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, value)
+    return everyone
+
+
+def require_agreement(values: Mapping[str, Any], what: str, fix: str) -> None:
+    """Checks that every rank passes the same ``values`` (a collective: every rank must call it).
+
+    Args:
+        values: This rank's values, by name.
+        what: What they are, for the error message.
+        fix: How to make them agree, for the error message.
+
+    Raises:
+        RanksDisagreeError: On every rank, naming each value that differs from rank 0's and the ranks involved.
+    """
+    everyone = _gather_from_every_rank(dict(values))
+    if everyone is None:
+        return
+    reference: dict[str, Any] = everyone[0]
+    differences = [
+        f"{key}: rank 0 has {reference.get(key)!r}, rank {rank} has {theirs.get(key)!r}"
+        for rank, theirs in enumerate(everyone)
+        for key in sorted(set(reference) | set(theirs))
+        if theirs.get(key) != reference.get(key)
+    ]
+    if differences:
+        raise RanksDisagreeError(
+            f"The processes of this run disagree on {what}, so they cannot work together; nothing was done."
+            f"\n  " + "\n  ".join(differences[:10]) + f"\nEvery process must get the same values: {fix}."
+        )
+
+
+def require_same_save_path(filepath: _PATH) -> None:
+    """Checks that every rank saves to ``filepath`` (a collective): a rank's different path would be ignored."""
+    require_agreement(
+        {"filepath": str(filepath)},
+        "where to save the checkpoint",
+        "call trainer.save_checkpoint(path) with the same path on every rank (compute it on rank 0 and"
+        " broadcast it with trainer.strategy.broadcast(path))",
+    )
+
+
+def agree_on_resume_path(trainer: pl.Trainer, require: Callable[[Mapping[str, Any], str, str], None]) -> None:
+    """Makes ``trainer`` check, on every rank, that all ranks resume from the same ``ckpt_path`` (or none).
+
+    The check runs once, at the Trainer's next restore; :func:`forget_resume_path_check` undoes an unused one.
+    """
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    resume_start = getattr(connector, "resume_start", None)
+    if connector is None or resume_start is None or "resume_start" in vars(connector):
+        return
+
+    # The Trainer starts every restore (with a path or None) here on all ranks right after setup; a rank that
+    # resumes while another starts afresh would otherwise wait in the load's collectives for ever.
+    def agreeing_resume_start(checkpoint_path: _PATH | None = None, *args: Any, **kwargs: Any) -> Any:
+        del vars(connector)["resume_start"]
+        path = None if checkpoint_path is None else str(checkpoint_path)
+        require({"ckpt_path": path}, "the checkpoint to resume from", "pass the same ckpt_path to fit() on every rank")
+        return resume_start(checkpoint_path, *args, **kwargs)
+
+    vars(connector)["resume_start"] = agreeing_resume_start
+
+
+def forget_resume_path_check(trainer: pl.Trainer) -> None:
+    """Removes the check :func:`agree_on_resume_path` installed, when the run ended before the Trainer restored."""
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    if connector is not None:
+        vars(connector).pop("resume_start", None)
+
+
+def refuse_unless_every_rank_fits(problem: CheckpointError | None) -> None:
+    """Raises on every rank when the sharded state of any rank does not fit (a collective: all ranks call it).
+
+    Each rank validates its own shard; they agree before any of them loads, so a bad shard on one rank leaves the
+    weights of every rank untouched.
+
+    Args:
+        problem: What is wrong with this rank's shard, or ``None`` when it fits.
+
+    Raises:
+        CheckpointError: This rank's ``problem``, or a :class:`CheckpointFormatError` naming the first rank that
+            refused its shard.
+    """
+    everyone = _gather_from_every_rank(None if problem is None else str(problem))
+    failed = [(rank, text) for rank, text in enumerate(everyone or []) if text is not None]
+    if problem is None and failed:
+        rank, text = failed[0]
+        raise CheckpointFormatError(f"Rank {rank} refused its shard; nothing was loaded. {text}")
+    if problem is not None:
+        raise problem
