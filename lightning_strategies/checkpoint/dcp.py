@@ -21,6 +21,7 @@ import re
 import stat
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -183,11 +184,12 @@ def _read_item(directory: Path, info: Any, source: str) -> Any:
         ) from error
 
 
-def check_dcp_files(directory: Path, metadata: Metadata, save_id: str, world_size: int, source: str) -> None:
+def check_dcp_files(directory: Path, metadata: Metadata, save_id: str | None, world_size: int, source: str) -> None:
     """Checks that ``directory``'s ``.distcp`` files are all there, whole, and of the save ``save_id``.
 
     Every file ``.metadata`` points into must be a regular file long enough for its items, and each rank's stamp must
-    lie in that rank's own file and name this save and rank. Reads only the stamps (a few bytes per rank).
+    lie in that rank's own file and name this save and rank. Reads only the stamps (a few bytes per rank). Upstream
+    Lightning's directories carry no stamps (``save_id=None``): their files are checked to be there and whole only.
 
     Raises:
         CheckpointFormatError: Naming the missing, truncated, swapped or foreign file.
@@ -216,6 +218,8 @@ def check_dcp_files(directory: Path, metadata: Metadata, save_id: str, world_siz
                     f"{source}: {DCP_METADATA_FILE} declares {key!r} as {tuple(item.size)} ({declared:,} bytes), more"
                     f" than its files hold ({stored.get(key, 0):,} bytes): damaged or crafted. Refused."
                 )
+    if save_id is None:
+        return
     stamps = {int(match[1]): key for key in metadata.state_dict_metadata if (match := _STAMP_KEY.match(key))}
     if len(stamps) != world_size or not all(0 <= rank < world_size for rank in stamps):
         raise CheckpointFormatError(
@@ -237,6 +241,61 @@ def check_dcp_files(directory: Path, metadata: Metadata, save_id: str, world_siz
                 f" {found!r}, meta.pt's save is {save_id!r}): files of different saves were mixed. Use another"
                 " checkpoint."
             )
+
+
+_OPTIMIZER_KEY = re.compile(r"^optimizer_(\d+)$")
+
+
+@dataclass(frozen=True)
+class DcpLayout:
+    """Where a DCP directory keeps the model's state and each optimizer's.
+
+    ``fsdp2`` writes the layout of upstream Lightning's ``ModelParallelStrategy``, so that each reads the other's
+    directories: ``state_dict.<name>`` for the model, ``optimizer_<i>.state.<name>.<key>`` and
+    ``optimizer_<i>.param_groups.<j>.<key>`` for optimizer ``i`` (keyed by parameter name, as torch's
+    distributed state-dict API gives it). Upstream's ``FSDPStrategy`` keeps the model under ``model.`` instead.
+
+    Attributes:
+        model_key: The top-level key of the model's state.
+        writer: Who writes this layout, for messages.
+    """
+
+    model_key: str
+    writer: str
+
+    @staticmethod
+    def optimizer_key(index: int) -> str:
+        """The top-level key of optimizer ``index``'s state."""
+        return f"optimizer_{index}"
+
+    @staticmethod
+    def optimizer_index(key: str) -> int | None:
+        """Which optimizer a top-level key holds, or ``None`` for another key."""
+        match = _OPTIMIZER_KEY.match(key)
+        return int(match[1]) if match else None
+
+    @classmethod
+    def of(cls, metadata: Metadata, source: str) -> DcpLayout:
+        """The layout of a directory, from its metadata.
+
+        Raises:
+            CheckpointFormatError: It holds no model state under a key this package knows.
+        """
+        for layout in (MODEL_PARALLEL_LAYOUT, FSDP1_LAYOUT):
+            if any(key.startswith(f"{layout.model_key}.") for key in metadata.state_dict_metadata):
+                return layout
+        keys = sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
+        raise CheckpointFormatError(
+            f"{source}: its {DCP_METADATA_FILE} holds no model state under 'state_dict.'"
+            f" ({MODEL_PARALLEL_LAYOUT.writer}) or 'model.' ({FSDP1_LAYOUT.writer}); its top-level keys are"
+            f" {keys[:6]}. It is not a Lightning checkpoint."
+        )
+
+
+#: ``fsdp2``'s directories and upstream Lightning's ``ModelParallelStrategy``'s.
+MODEL_PARALLEL_LAYOUT: Final = DcpLayout("state_dict", "fsdp2 or Lightning's ModelParallelStrategy")
+#: Upstream Lightning's ``FSDPStrategy`` (torch FSDP1) with ``state_dict_type="sharded"``.
+FSDP1_LAYOUT: Final = DcpLayout("model", "Lightning's FSDPStrategy")
 
 
 def dcp_tensor_layout(metadata: Metadata, prefix: str) -> dict[str, Tensor]:
@@ -282,6 +341,16 @@ def load_dcp_items(items: dict[str, Any], directory: Path) -> None:
     safe_dcp_load(items, directory, flatten=False, no_dist=True)
 
 
+def dcp_world_size(metadata: Metadata) -> int:
+    """How many ranks wrote a DCP directory: the ranks of its ``__<rank>_<n>.distcp`` files."""
+    ranks = {
+        int(match[1])
+        for info in (metadata.storage_data or {}).values()
+        if (match := _RANK_OF_FILE.match(str(info.relative_path)))
+    }
+    return max(len(ranks), 1)
+
+
 def dcp_tensor_count(metadata: Metadata) -> int:
     """How many tensors :func:`iter_dcp_items` yields."""
     return sum(
@@ -305,12 +374,15 @@ def iter_dcp_items(directory: Path, metadata: Metadata) -> Iterator[tuple[str, A
             yield key, target[key]
 
 
-def check_dcp_optimizer_states(templates: list[dict[str, Any]], stored: Metadata, *, source: str) -> None:
+def check_dcp_optimizer_states(
+    templates: list[dict[str, Any]], stored: Metadata, layout: DcpLayout, *, source: str
+) -> None:
     """Refuses a DCP directory's optimizer states when they do not fit the optimizers, before anything is loaded.
 
     Args:
         templates: Each optimizer's state as torch's distributed state-dict API gives it (DCP's load template).
         stored: The directory's metadata.
+        layout: Where the directory keeps each optimizer.
         source: How error messages name the directory.
 
     Raises:
@@ -318,7 +390,7 @@ def check_dcp_optimizer_states(templates: list[dict[str, Any]], stored: Metadata
             missing or of another shape, or state for parameters the model does not have.
     """
     paths = stored.planner_data if isinstance(stored.planner_data, dict) else {}
-    saved_count = len({path[1] for path in paths.values() if len(path) > 1 and path[0] == "optimizers"})
+    saved_count = len({path[0] for path in paths.values() if path and layout.optimizer_index(str(path[0])) is not None})
     if saved_count != len(templates):
         raise OptimizerStateMismatchError(
             f"{source} holds {saved_count} optimizer state(s), but configure_optimizers() returned"
@@ -326,12 +398,13 @@ def check_dcp_optimizer_states(templates: list[dict[str, Any]], stored: Metadata
         )
     items = stored.state_dict_metadata
     for index, template in enumerate(templates):
-        flat, _ = flatten_state_dict({"optimizers": {str(index): template}})
+        key_of_optimizer = layout.optimizer_key(index)
+        flat, _ = flatten_state_dict({key_of_optimizer: template})
         problems: list[str] = []
         groups = {
-            str(path[3])
+            str(path[2])
             for path in paths.values()
-            if len(path) > 3 and path[0] == "optimizers" and str(path[1]) == str(index) and path[2] == "param_groups"
+            if len(path) > 2 and path[0] == key_of_optimizer and path[1] == "param_groups"
         }
         if len(groups) != len(template["param_groups"]):
             problems.append(f"{len(groups)} param group(s) saved, the optimizer has {len(template['param_groups'])}")
@@ -344,7 +417,7 @@ def check_dcp_optimizer_states(templates: list[dict[str, Any]], stored: Metadata
             ):
                 size = tuple(item.size) if isinstance(item, TensorStorageMetadata) else "not a tensor"
                 problems.append(f"{key!r} has shape {size}, the optimizer's is {tuple(value.shape)}")
-        prefix = f"optimizers.{index}.state."
+        prefix = f"{key_of_optimizer}.state."
         extra = [key for key in items if key.startswith(prefix) and key not in flat]
         problems += [f"{key!r} belongs to no parameter of this model" for key in extra[:3]]
         if problems:

@@ -27,10 +27,17 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import torch
 from torch import Tensor
 
-from lightning_strategies.checkpoint.dcp import DCP_METADATA_FILE, check_dcp_files, read_dcp_metadata, regular_file
+from lightning_strategies.checkpoint.dcp import (
+    DCP_METADATA_FILE,
+    DcpLayout,
+    check_dcp_files,
+    dcp_world_size,
+    read_dcp_metadata,
+    regular_file,
+)
 from lightning_strategies.checkpoint.errors import CheckpointFormatError
 from lightning_strategies.checkpoint.io import read_checkpoint
-from lightning_strategies.checkpoint.metadata import METADATA_KEY, CheckpointMetadata
+from lightning_strategies.checkpoint.metadata import FORMAT_VERSION, METADATA_KEY, CheckpointMetadata
 from lightning_strategies.checkpoint.model_state import WRAPPER_PREFIXES, strip_wrapper_segments
 
 if TYPE_CHECKING:  # the checkpoint package itself never imports Lightning (both flavours share it)
@@ -123,8 +130,9 @@ class ShardedCheckpoint:
     Attributes:
         directory: The directory read (the path given, or the previous save of it; see ``resolve_sharded_directory``).
         meta: ``meta.pt``: what Lightning saved besides the sharded state.
-        metadata: Its metadata block (``state_dict_type == "sharded"``).
-        save_id: The save every shard must belong to.
+        metadata: Its metadata block (``state_dict_type == "sharded"``); for upstream Lightning's directories, which
+            have none, one that names the upstream strategy (see :data:`UPSTREAM_WRITERS`).
+        save_id: The save every shard must belong to; ``None`` for upstream Lightning's directories (no save ids).
         format: ``"fairscale FSDP local shards"`` (``rank<r>.pt``) or ``"torch.distributed.checkpoint"``.
         source: How error messages name the directory.
     """
@@ -132,7 +140,7 @@ class ShardedCheckpoint:
     directory: Path
     meta: dict[str, Any]
     metadata: CheckpointMetadata
-    save_id: str
+    save_id: str | None
     format: ShardedFormat
     source: str
 
@@ -140,6 +148,11 @@ class ShardedCheckpoint:
     def world_size(self) -> int:
         """The world size of the run that saved."""
         return self.metadata.world_size
+
+    @property
+    def upstream(self) -> bool:
+        """Whether upstream Lightning wrote it (``ModelParallelStrategy`` or ``FSDPStrategy``), not this package."""
+        return self.save_id is None
 
 
 def _save_block(data: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -184,7 +197,9 @@ def open_sharded(path: Path) -> ShardedCheckpoint:
     regular_file(meta_path, source)
     meta = read_checkpoint(meta_path)
     metadata = CheckpointMetadata.read(meta, source=source)
-    if metadata is None or metadata.state_dict_type != "sharded":
+    if metadata is None:
+        return _open_upstream(directory, meta, source)
+    if metadata.state_dict_type != "sharded":
         raise CheckpointFormatError(f"{source}: {SHARDED_META_FILE} does not describe a sharded checkpoint.")
     block = _save_block(meta, f"{source}: {SHARDED_META_FILE}")
     if block["world_size"] != metadata.world_size:
@@ -200,6 +215,24 @@ def open_sharded(path: Path) -> ShardedCheckpoint:
         )
     meta.pop(SHARDED_SAVE_KEY)
     return ShardedCheckpoint(directory, meta, metadata, block["save_id"], sharded_format, source)
+
+
+#: The ``strategy`` named in the metadata of upstream Lightning's directories, by where they keep the model.
+UPSTREAM_WRITERS: Final = {"state_dict": "lightning:ModelParallelStrategy", "model": "lightning:FSDPStrategy"}
+
+
+def _open_upstream(directory: Path, meta: dict[str, Any], source: str) -> ShardedCheckpoint:
+    """A directory whose ``meta.pt`` has no block of ours: upstream Lightning's DCP directory, or refused."""
+    if not (directory / DCP_METADATA_FILE).exists() and not (directory / DCP_METADATA_FILE).is_symlink():
+        raise CheckpointFormatError(
+            f"{source}: {SHARDED_META_FILE} has no {METADATA_KEY!r} block and there is no {DCP_METADATA_FILE}: neither"
+            " a sharded checkpoint of this package nor one of upstream Lightning (ModelParallelStrategy,"
+            " FSDPStrategy)."
+        )
+    dcp = read_dcp_metadata(directory, source)
+    layout = DcpLayout.of(dcp, source)
+    metadata = CheckpointMetadata(FORMAT_VERSION, UPSTREAM_WRITERS[layout.model_key], dcp_world_size(dcp), "sharded")
+    return ShardedCheckpoint(directory, meta, metadata, None, "torch.distributed.checkpoint", source)
 
 
 def rank_file_paths(sharded: ShardedCheckpoint) -> list[Path]:

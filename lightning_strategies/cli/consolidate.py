@@ -1,44 +1,23 @@
-"""``lightning-strategies consolidate``: one full canonical checkpoint from a sharded checkpoint directory of ours.
+"""``lightning-strategies consolidate``: one full canonical checkpoint file from a sharded checkpoint directory.
 
-Works on the CPU, without a process group, tensor by tensor: the output and the tensor being assembled are all that
-is held in memory (rank files are memory-mapped; ``torch.distributed.checkpoint`` items are read one at a time).
-The result is what the strategy would have written with ``state_dict_type="full"``: canonical model state, torch's
-optimizer layout, the same Lightning entries (loops, schedulers, callbacks) and metadata block, ``"full"``.
-
-- fairscale FSDP (``fsdp_fairscale``): ``rank<r>.pt`` per rank, each with its flat shards and the layout block
-  (``flat_layout``) that names the canonical parameters each flat shard holds.
-- FSDP2 (``fsdp2``): a ``torch.distributed.checkpoint`` directory (``.metadata`` and ``*.distcp``).
+The directory may be ours (``fsdp_fairscale`` rank files, ``fsdp2``'s ``torch.distributed.checkpoint`` layout) or
+upstream Lightning's (``ModelParallelStrategy``, ``FSDPStrategy`` with ``state_dict_type="sharded"``). The work is
+:func:`lightning_strategies.checkpoint.consolidation.consolidate`, on the CPU, without a process group, tensor by
+tensor; this module adds the paths, the progress bar and the atomic write.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import Tensor
-
-from lightning_strategies.checkpoint import METADATA_KEY, CheckpointError, CheckpointMetadata, strip_wrapper_segments
+from lightning_strategies.checkpoint import METADATA_KEY, CheckpointError
 from lightning_strategies.checkpoint.atomic import atomic_torch_save
-from lightning_strategies.checkpoint.dcp import dcp_tensor_count, iter_dcp_items
-from lightning_strategies.checkpoint.flat import split_full
-from lightning_strategies.checkpoint.optimizer_state import name_keyed_to_canonical
-from lightning_strategies.checkpoint.sharded import (
-    INNER_WRAPPER_SEGMENTS,
-    SHARDED_LAYOUT_KEY,
-    ShardedCheckpoint,
-    open_sharded,
-    rank_file_paths,
-    read_dcp_files,
-    read_rank_file,
-)
+from lightning_strategies.checkpoint.consolidation import consolidate
+from lightning_strategies.checkpoint.sharded import open_sharded
 
 from ._common import CommandError, Progress, existing_input, writable_output
-
-SUPPORTED_LAYOUT_VERSION = 1
 
 
 @dataclass
@@ -60,179 +39,6 @@ class Consolidation:
     optimizer_tensors: int
 
 
-def _numel(shapes: Sequence[Sequence[int]]) -> int:
-    return sum(math.prod(shape) for shape in shapes)
-
-
-def _cut(pieces: Sequence[Tensor], shapes: Sequence[Sequence[int]], what: str) -> list[Tensor]:
-    """Concatenates the ranks' padded flat chunks, drops the padding and cuts the canonical tensors out."""
-    if any(piece.dim() != 1 or piece.numel() != pieces[0].numel() for piece in pieces):
-        raise CommandError(f"{what}: the ranks' shards are not equal-sized 1-D chunks ({[p.shape for p in pieces]}).")
-    numel = _numel(shapes)
-    if pieces[0].numel() * len(pieces) < numel:
-        raise CommandError(f"{what}: the shards hold fewer elements than the {numel} of the parameters they list.")
-    return split_full(torch.cat(list(pieces))[:numel], [torch.Size(shape) for shape in shapes])
-
-
-# ---------------------------------------------------------------------------------------------- fairscale
-
-
-def _same_layout(layout: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
-    return all(layout.get(key) == other.get(key) for key in ("version", "world_size", "units", "optimizers", "aliases"))
-
-
-def _fairscale(sharded: ShardedCheckpoint, show_progress: bool) -> tuple[dict[str, Any], list[Any], int]:
-    directory, world_size = sharded.directory, sharded.world_size
-    # Each file checked to be this save's shard of its rank; memory-mapped: a shard's bytes are read when its tensors
-    # are concatenated, not all up front.
-    shards = [read_rank_file(sharded, rank, mmap=True) for rank in range(len(rank_file_paths(sharded)))]
-    layouts: list[Mapping[str, Any]] = []
-    for shard in shards:
-        layout = shard.get(SHARDED_LAYOUT_KEY)
-        if isinstance(layout, Mapping):
-            layouts.append(layout)
-    if len(layouts) != len(shards):
-        raise CommandError(
-            f"{directory}: the rank files hold no {SHARDED_LAYOUT_KEY!r} block (written by an older"
-            " lightning_strategies), so the flat shards cannot be cut into parameters offline. Resume it with"
-            f" fsdp_fairscale at world size {world_size} and save with state_dict_type='full'."
-        )
-    layout = layouts[0]
-    if layout.get("version", 0) > SUPPORTED_LAYOUT_VERSION:
-        raise CommandError(f"{directory}: layout version {layout['version']} is newer than this lightning_strategies.")
-    for rank, other in enumerate(layouts[1:], start=1):
-        if not _same_layout(layout, other):
-            raise CommandError(
-                f"{directory}: rank{rank}.pt describes another layout than rank0.pt: they come from different models"
-                " or wrappings."
-            )
-    units = layout["units"]
-    for unit in units:
-        if unit["world_size"] != world_size:
-            raise CommandError(
-                f"{directory}: {unit['key']!r} is sharded over {unit['world_size']} of the {world_size} ranks (a"
-                " process group smaller than the world); consolidate supports world-sharded parameters only."
-            )
-    unit_keys = {unit["key"] for unit in units}
-    # A tied parameter is held once, under its first name; its other names are written with the same tensor.
-    aliases: dict[str, str] = dict(layout.get("aliases", {}))
-    buffers = [key for key in shards[0]["state_dict"] if key not in unit_keys and key not in aliases]
-    optimizer_layouts = layout["optimizers"]
-    rank_optimizer_states = [shard.get("optimizer_states", []) for shard in shards]
-    optimizer_total = sum(
-        len(units[unit_index]["names"]) * len(rank_optimizer_states[0][index]["state"].get(flat_index, {}))
-        for index, optimizer_layout in enumerate(optimizer_layouts)
-        for flat_index, unit_index in enumerate(optimizer_layout["units"])
-    )
-    model_total = sum(len(unit["names"]) for unit in units) + len(buffers)
-    bar = Progress(model_total + optimizer_total, "consolidating", show_progress)
-    try:
-        state: dict[str, Any] = {}
-        for unit in units:
-            pieces = [shard["state_dict"][unit["key"]] for shard in shards]
-            parts = _cut(pieces, unit["shapes"], f"model tensor {unit['key']!r}")
-            state.update(zip(unit["names"], parts, strict=True))
-            bar.advance(len(parts))
-        for alias, holder in aliases.items():
-            if holder not in state:
-                raise CommandError(f"{directory}: the tied parameter {alias!r} names {holder!r}, which no unit holds.")
-            state[alias] = state[holder]
-        for key in buffers:
-            value = shards[0]["state_dict"][key]
-            state[strip_wrapper_segments(key, INNER_WRAPPER_SEGMENTS)] = (
-                value.clone() if isinstance(value, Tensor) else value
-            )
-            bar.advance()
-        optimizer_states = []
-        for index, optimizer_layout in enumerate(optimizer_layouts):
-            rank_states = [states[index] for states in rank_optimizer_states]
-            optimizer_states.append(_fairscale_optimizer(rank_states, optimizer_layout, units, index, bar))
-    finally:
-        bar.close()
-    return state, optimizer_states, optimizer_total
-
-
-def _fairscale_optimizer(
-    rank_states: Sequence[Mapping[str, Any]],
-    layout: Mapping[str, Any],
-    units: Sequence[Mapping[str, Any]],
-    optimizer_index: int,
-    bar: Progress,
-) -> dict[str, Any]:
-    """The canonical state of one optimizer from the ranks' flat states (as the strategy's gather builds it)."""
-    group_names: list[list[str]] = layout["group_names"]
-    index = {name: position for position, name in enumerate(name for names in group_names for name in names)}
-    state: dict[int, dict[str, Any]] = {}
-    for flat_index, unit_index in enumerate(layout["units"]):
-        unit = units[unit_index]
-        entries = rank_states[0]["state"].get(flat_index, {})
-        for key, value in entries.items():
-            if isinstance(value, Tensor) and value.dim() > 0:
-                pieces = [rank_state["state"][flat_index][key] for rank_state in rank_states]
-                parts: list[Any] = _cut(pieces, unit["shapes"], f"optimizer {optimizer_index} state {key!r}")
-            else:  # a scalar such as Adam's step: one independent copy per parameter
-                parts = [value.detach().clone() if isinstance(value, Tensor) else value for _ in unit["names"]]
-            for name, part in zip(unit["names"], parts, strict=True):
-                state.setdefault(index[name], {})[key] = part
-            bar.advance(len(parts))
-    groups = [
-        {**{key: value for key, value in group.items() if key != "params"}, "params": [index[n] for n in names]}
-        for group, names in zip(rank_states[0]["param_groups"], group_names, strict=True)
-    ]
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-
-# ---------------------------------------------------------------------------------------------- DCP
-
-
-def _dcp(sharded: ShardedCheckpoint, show_progress: bool) -> tuple[dict[str, Any], list[Any], int]:
-    directory = sharded.directory
-    metadata = read_dcp_files(sharded)  # .metadata read safely; every .distcp file there, whole, of this save
-    paths: dict[str, tuple[Any, ...]] = dict(metadata.planner_data or {})
-    values: dict[str, Any] = {}
-    bar = Progress(dcp_tensor_count(metadata), "consolidating", show_progress)
-    try:
-        for key, value in iter_dcp_items(directory, metadata):
-            values[key] = value
-            bar.advance(int(isinstance(value, Tensor)))
-    finally:
-        bar.close()
-    state: dict[str, Any] = {}
-    optimizers: dict[int, dict[str, Any]] = {}
-    for key, value in values.items():
-        path = paths.get(key, tuple(key.split(".", 1)))
-        if path[0] == "model" and len(path) == 2:
-            state[str(path[1])] = value
-        elif path[0] == "optimizers" and len(path) == 5 and path[2] == "state":
-            optimizer = optimizers.setdefault(int(path[1]), {"state": {}, "param_groups": {}})
-            optimizer["state"].setdefault(str(path[3]), {})[str(path[4])] = value
-        elif path[0] == "optimizers" and len(path) == 5 and path[2] == "param_groups":
-            optimizer = optimizers.setdefault(int(path[1]), {"state": {}, "param_groups": {}})
-            optimizer["param_groups"].setdefault(int(path[3]), {})[str(path[4])] = value
-        else:
-            raise CommandError(f"{directory}: unexpected item {key!r} (path {path}); not a checkpoint of fsdp2.")
-    optimizer_states = [_by_index(optimizers[index], directory, index) for index in sorted(optimizers)]
-    optimizer_tensors = sum(
-        isinstance(value, Tensor)
-        for optimizer in optimizer_states
-        for entries in optimizer["state"].values()
-        for value in entries.values()
-    )
-    return state, optimizer_states, optimizer_tensors
-
-
-def _by_index(by_name: Mapping[str, Any], directory: Path, optimizer_index: int) -> dict[str, Any]:
-    """torch keys sharded optimizer state by parameter name; canonical state counts parameters through the groups."""
-    groups = [by_name["param_groups"][position] for position in sorted(by_name["param_groups"])]
-    names = [name for group in groups for name in group.get("params", [])]
-    unknown = sorted(set(by_name["state"]) - set(names))
-    if unknown:
-        raise CommandError(
-            f"{directory}: optimizer {optimizer_index} has state for {unknown[:3]}, which no param group lists."
-        )
-    return name_keyed_to_canonical({"state": by_name["state"], "param_groups": groups}, names)
-
-
 # ---------------------------------------------------------------------------------------------- command
 
 
@@ -242,7 +48,7 @@ def consolidate_checkpoint(
     """Writes one full canonical checkpoint from a sharded checkpoint directory.
 
     Args:
-        directory: A sharded checkpoint of ``fsdp_fairscale`` or ``fsdp2`` (a directory with ``meta.pt``).
+        directory: A sharded checkpoint directory (``meta.pt``) of ``fsdp_fairscale``, ``fsdp2`` or upstream Lightning.
         out: The checkpoint file to write (atomically).
         force: Replace ``out`` if it exists.
         show_progress: Show a progress bar over tensors on stderr.
@@ -258,25 +64,12 @@ def consolidate_checkpoint(
     writable_output(out, directory, force=force)
     try:
         sharded = open_sharded(directory)
-        if sharded.format == "torch.distributed.checkpoint":
-            state, optimizer_states, optimizer_tensors = _dcp(sharded, show_progress)
-        else:
-            state, optimizer_states, optimizer_tensors = _fairscale(sharded, show_progress)
+        result = consolidate(sharded, lambda total: Progress(total, "consolidating", show_progress))
     except (CheckpointError, FileNotFoundError) as error:
-        raise CommandError(str(error)) from error
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, OSError) as error:
-        # What the checks above cannot see (damaged bytes inside a shard, a layout block edited by hand): named.
-        raise CommandError(
-            f"{directory}: its shards are damaged or inconsistent ({type(error).__name__}: {error}); nothing was"
-            " written. Use another checkpoint."
-        ) from error
-    metadata = sharded.metadata
-    full = CheckpointMetadata(metadata.format_version, metadata.strategy, metadata.world_size, "full").to_dict()
-    checkpoint = {**sharded.meta, "state_dict": state, METADATA_KEY: full}
-    if optimizer_states:  # the shards always hold a list; an empty one means the save had no optimizer state
-        checkpoint["optimizer_states"] = optimizer_states
+        raise CommandError(f"{error} Nothing was written.") from error
     try:
-        atomic_torch_save(checkpoint, out)
+        atomic_torch_save(result.checkpoint, out)
     except OSError as error:
         raise CommandError(str(error)) from error
-    return Consolidation(out, sharded.format, full, len(state), optimizer_tensors)
+    metadata = result.checkpoint[METADATA_KEY]
+    return Consolidation(out, sharded.format, metadata, result.tensors, result.optimizer_tensors)

@@ -27,7 +27,7 @@ from lightning_strategies.checkpoint import (
     read_checkpoint,
     strip_wrapper_segments,
 )
-from lightning_strategies.checkpoint.dcp import dcp_tensor_layout, iter_dcp_items
+from lightning_strategies.checkpoint.dcp import MODEL_PARALLEL_LAYOUT, DcpLayout, dcp_tensor_layout, iter_dcp_items
 from lightning_strategies.checkpoint.optimizer_state import PARAM_SHAPED_STATE
 from lightning_strategies.checkpoint.sharded import (
     INNER_WRAPPER_SEGMENTS,
@@ -445,18 +445,32 @@ def inspect_directory(path: Path, expected: Module | None = None) -> Inspection:
     strategy = sharded.metadata.strategy
     try:
         if sharded.format == "torch.distributed.checkpoint":
-            resumes = f"{strategy!r} at any world size"
             dcp = read_dcp_files(sharded)  # every .distcp file there, whole, and of this save
+            layout = DcpLayout.of(dcp, sharded.source)
+            resumes = (
+                "fsdp2 at any world size, in place"
+                if layout == MODEL_PARALLEL_LAYOUT
+                else "fsdp2 and every other strategy of this package (each rank reads it whole)"
+            )
             report.sharded = {
                 "format": sharded.format,
                 "files": len({info.relative_path for info in dcp.storage_data.values()}),
+                "layout": f"model under '{layout.model_key}.', optimizer i under 'optimizer_<i>.' keyed by name",
             }
-            canonical = dcp_tensor_layout(dcp, "model.")
+            if sharded.upstream:
+                report.add(
+                    "info",
+                    "upstream-sharded",
+                    f"Written by upstream Lightning ({strategy.removeprefix('lightning:')}) at world size"
+                    f" {sharded.world_size}: no {METADATA_KEY!r} block and no save ids, so its files are checked to be"
+                    " there and whole, not to belong to one save. Optimizer states are keyed by parameter name.",
+                )
+            canonical = dcp_tensor_layout(dcp, f"{layout.model_key}.")
             # Every item read (one tensor at a time), as a resume or consolidate would: damage shows here.
             non_finite = [key for key, value in iter_dcp_items(sharded.directory, dcp) if _not_finite(value)]
             _flag_non_finite(report, non_finite)
         else:
-            resumes = f"{strategy!r} at world size {sharded.world_size}"
+            resumes = f"{strategy!r} at world size {sharded.world_size} in place, every other strategy reading it whole"
             report.sharded = {"format": sharded.format, "files": len(rank_file_paths(sharded))}
             canonical = _fairscale_shards(report, sharded)
     except CheckpointError as error:
@@ -471,7 +485,7 @@ def inspect_directory(path: Path, expected: Module | None = None) -> Inspection:
         "info",
         "sharded",
         f"Sharded checkpoint: resumes with {resumes}. `lightning-strategies consolidate {path} OUT` makes one full"
-        " checkpoint that every strategy resumes.",
+        " checkpoint that every strategy resumes, upstream Lightning's included.",
     )
     if expected is not None and canonical:
         try:

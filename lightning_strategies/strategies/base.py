@@ -37,10 +37,13 @@ from lightning_strategies.checkpoint import (
     to_cpu_state,
 )
 from lightning_strategies.checkpoint.atomic import raise_if_disk_full, replace_directory
+from lightning_strategies.checkpoint.consolidation import consolidate
 from lightning_strategies.checkpoint.errors import CheckpointFormatError
 from lightning_strategies.checkpoint.sharded import (
     new_save_id,
+    open_sharded,
     remove_stale_saves,
+    sharded_directory,
     staging_directory,
     write_sharded_meta,
 )
@@ -624,6 +627,15 @@ class DirectReferenceStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        directory = sharded_directory(checkpoint_path)
+        if directory is not None:
+            # A sharded directory this strategy does not read natively (another strategy's, upstream Lightning's):
+            # every rank builds the full canonical state in memory, as `lightning-strategies consolidate` would.
+            sharded = open_sharded(directory)
+            self._checkpoint_source = (
+                f"{sharded.source} (written by {sharded.metadata.strategy} at world size {sharded.world_size})"
+            )
+            return consolidate(sharded).checkpoint
         # Checkpoints never run code when loaded: weights_only is always True.
         self._checkpoint_source = f"Checkpoint {str(checkpoint_path)!r}"
         checkpoint = read_checkpoint(

@@ -675,15 +675,12 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         sharded = open_sharded(directory)
         metadata, source = sharded.metadata, sharded.source
+        native = sharded.format == "fairscale FSDP local shards" and metadata.strategy == self.strategy_name
+        if not native or metadata.world_size != self.world_size:
+            # Rank files hold flat shards of this world size only; anything else is read whole (consolidated).
+            self._loaded_sharded = False
+            return super().load_checkpoint(checkpoint_path, weights_only)
         self._checkpoint_source = source
-        if metadata.strategy != self.strategy_name or metadata.world_size != self.world_size:
-            raise CheckpointFormatError(
-                f"{source} was written by {metadata.strategy!r} at world size {metadata.world_size}; this run is"
-                f" {self.strategy_name!r} at world size {self.world_size}. A sharded checkpoint resumes only where it"
-                " was written: consolidate it into a full checkpoint (lightning-strategies consolidate) to move it."
-            )
-        if sharded.format != "fairscale FSDP local shards":
-            raise CheckpointFormatError(f"{source} holds {sharded.format} shards, not fsdp_fairscale rank files.")
         rank_file_paths(sharded)  # every rank's file is there: a missing one is named on every rank
         shard = read_rank_file(sharded, self.global_rank)
         self._loaded_sharded = True

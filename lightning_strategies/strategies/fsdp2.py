@@ -33,12 +33,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_strategies.checkpoint import (
-    CheckpointFormatError,
     CheckpointMetadata,
     check_model_state,
 )
 from lightning_strategies.checkpoint.atomic import raise_if_disk_full
 from lightning_strategies.checkpoint.dcp import (
+    MODEL_PARALLEL_LAYOUT,
+    DcpLayout,
     check_dcp_optimizer_states,
     dcp_stamps,
     dcp_tensor_layout,
@@ -401,7 +402,14 @@ class FSDP2Strategy(DirectReferenceStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         directory = Path(filepath)
-        sharded = {"model": checkpoint["state_dict"], "optimizers": checkpoint.get("optimizer_states", [])}
+        # Upstream ModelParallelStrategy's layout (DcpLayout): each reads the other's directories.
+        layout = MODEL_PARALLEL_LAYOUT
+        sharded = {
+            layout.model_key: checkpoint["state_dict"],
+            **{
+                layout.optimizer_key(index): state for index, state in enumerate(checkpoint.get("optimizer_states", []))
+            },
+        }
 
         def write_dcp(staging: Path, save_id: str) -> None:
             try:
@@ -419,12 +427,10 @@ class FSDP2Strategy(DirectReferenceStrategy):
             self._sharded_checkpoint = None
             return super().load_checkpoint(checkpoint_path, weights_only)
         sharded = open_sharded(directory)
-        self._checkpoint_source = source = sharded.source
-        if sharded.metadata.strategy != self.strategy_name or sharded.format != "torch.distributed.checkpoint":
-            raise CheckpointFormatError(
-                f"{source} was not written by {self.strategy_name!r} with state_dict_type='sharded'"
-                f" ({sharded.metadata}). Consolidate it into a full checkpoint to load it with another strategy."
-            )
+        self._checkpoint_source = sharded.source
+        if sharded.format != "torch.distributed.checkpoint":  # another strategy's layout: read whole, loaded as full
+            self._sharded_checkpoint = None
+            return super().load_checkpoint(checkpoint_path, weights_only)
         # .metadata read without running code; every .distcp file there, whole, and of this save.
         self._sharded_checkpoint = (sharded, read_dcp_files(sharded))
         # Lightning checks that optimizer states exist before asking the strategy to load them.
@@ -439,16 +445,17 @@ class FSDP2Strategy(DirectReferenceStrategy):
         module = self.require_lightning_module()
         # Validated completely before any weight changes: DCP itself ignores keys the model lacks (an extra submodule
         # under strict loading) and would load the weights before finding that the optimizer state does not fit.
-        saved_model = dcp_tensor_layout(stored, "model.")
+        layout = DcpLayout.of(stored, sharded.source)
+        saved_model = dcp_tensor_layout(stored, f"{layout.model_key}.")
         check_model_state(
             self._expected_model_state(), saved_model, strict=strict, source=sharded.source, shapes_only=True
         )
         if self._restoring_sharded_optimizer_states(checkpoint):
             optimizers = self._raw_optimizers()
             templates = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
-            check_dcp_optimizer_states(templates, stored, source=sharded.source)
+            check_dcp_optimizer_states(templates, stored, layout, source=sharded.source)
         model_state = {key: value for key, value in get_model_state_dict(module).items() if key in saved_model}
-        safe_dcp_load({"model": model_state}, sharded.directory)  # reshards to this world size
+        safe_dcp_load({layout.model_key: model_state}, sharded.directory)  # reshards to this world size
         set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict))
 
     @override
@@ -456,11 +463,12 @@ class FSDP2Strategy(DirectReferenceStrategy):
         if self._sharded_checkpoint is None:
             super().load_optimizer_state_dict(checkpoint)
             return
-        sharded, _ = self._sharded_checkpoint
+        sharded, stored = self._sharded_checkpoint
+        layout = DcpLayout.of(stored, sharded.source)
         module = self.require_lightning_module()
         optimizers = self._raw_optimizers()
         templates = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
-        safe_dcp_load({"optimizers": templates}, sharded.directory)
+        safe_dcp_load({layout.optimizer_key(i): template for i, template in enumerate(templates)}, sharded.directory)
         for optimizer, state in zip(optimizers, templates, strict=True):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state)
         self._sharded_checkpoint = None
