@@ -75,13 +75,16 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=".*DistributedSampler.*")
 
 
-MATRIX_TABLES: list[str] = []  # filled by the resume-matrix tests, shown at the end of the run
+MATRIX_PROPERTY = "resume matrix"  # tests record their tables under this name; shown at the end of the run
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    for table in MATRIX_TABLES:
-        terminalreporter.write_sep("-", "resume matrix")
-        terminalreporter.write_line(table)
+    # Recorded properties travel with each test's report, also from pytest-xdist's workers.
+    for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", []):
+        for name, table in getattr(report, "user_properties", []):
+            if name == MATRIX_PROPERTY and report.when == "call":
+                terminalreporter.write_sep("-", f"resume matrix: {report.nodeid.rsplit('::', 1)[-1]}")
+                terminalreporter.write_line(str(table))
 
 
 def trainer_kwargs(**overrides: Any) -> dict[str, Any]:

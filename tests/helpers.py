@@ -15,6 +15,9 @@ from pytorch_lightning.strategies import Strategy
 from torch.distributed.tensor import DTensor
 
 from lightning_strategies import ShardedDDPStrategy
+from lightning_strategies.checkpoint.consolidation import consolidate
+from lightning_strategies.checkpoint.optimizer_state import numbered_through_groups
+from lightning_strategies.checkpoint.sharded import open_sharded, sharded_directory
 from lightning_strategies.testing import ConformanceModel, SaveAfterRestore
 from tests.conftest import trainer_kwargs
 
@@ -170,19 +173,31 @@ def assert_resume_restores_exactly(
     return saved, restored
 
 
+def canonical_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint file as saved, or a sharded directory (ours or upstream's) consolidated to canonical state."""
+    directory = sharded_directory(path)
+    if directory is not None:
+        return consolidate(open_sharded(directory)).checkpoint
+    loaded: dict[str, Any] = torch.load(path, weights_only=True)
+    # Numbered through the groups, as torch numbers them (upstream's full files number them in module order).
+    loaded["optimizer_states"] = [numbered_through_groups(state) for state in loaded.get("optimizer_states", [])]
+    return loaded
+
+
 def assert_same_checkpoint_state(expected_path: Path, got_path: Path, atol: float = 0.0) -> None:
     """Two checkpoints hold the same model state, optimizer state and LR schedulers (exactly, by default).
 
-    With ``atol`` > 0 the tensors may differ by that much (e.g. a strategy's checkpoint against ddp's after the
-    same training); their keys, shapes, param groups and every value that is not a tensor are still equal.
+    Either may be a sharded directory (compared consolidated). With ``atol`` > 0 the tensors may differ by that much
+    (e.g. a strategy's checkpoint against ddp's after the same training); their keys, shapes, param groups and every
+    value that is not a tensor are still equal.
     """
 
     def same(left: Any, right: Any) -> bool:
         left, right = torch.as_tensor(left), torch.as_tensor(right)
         return left.shape == right.shape and bool(torch.allclose(left, right, atol=atol, rtol=0, equal_nan=True))
 
-    before = torch.load(expected_path, weights_only=True)
-    after = torch.load(got_path, weights_only=True)
+    before = canonical_checkpoint(expected_path)
+    after = canonical_checkpoint(got_path)
     assert before["state_dict"].keys() == after["state_dict"].keys()
     for key, value in before["state_dict"].items():
         assert same(value, after["state_dict"][key]), key
@@ -197,6 +212,7 @@ def assert_same_checkpoint_state(expected_path: Path, got_path: Path, atol: floa
             for name, value in entries.items():
                 assert same(value, got["state"][index][name]), (index, name)
     assert after["lr_schedulers"] == before["lr_schedulers"]
+    assert after["global_step"] == before["global_step"]
 
 
 class LossRecorder(pl.Callback):

@@ -14,11 +14,12 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import StrategyRegistry
 
 from lightning_strategies import FairScaleFSDPStrategy
-from lightning_strategies.testing import ConformanceModel, assert_strategy_conforms, make_dataset
+from lightning_strategies.testing import ConformanceModel, SaveAfterRestore, assert_strategy_conforms, make_dataset
 from tests.helpers import (
     RankRecorder,
     assert_resume_continues_the_run,
     assert_resume_restores_exactly,
+    assert_same_checkpoint_state,
     assert_same_weights,
     fit,
     new_model,
@@ -263,16 +264,18 @@ def test_a_sharded_checkpoint_resumes_at_the_same_world_size_like_an_uninterrupt
     assert_same_weights(uninterrupted, resumed, atol=1e-6)
 
 
-def test_a_sharded_checkpoint_at_another_world_size_names_the_consolidate_step(tmp_path: Path) -> None:
+def test_a_sharded_checkpoint_at_another_world_size_is_read_whole_and_restored_exactly(tmp_path: Path) -> None:
     saved = _save_sharded(tmp_path)
-    with pytest.raises(Exception, match=r"world size 2; this run is 'fsdp_fairscale' at world size 1.*consolidate"):
-        fit(fsdp(state_dict_type="sharded"), new_model(), ckpt_path=saved, devices=1)
+    restored = tmp_path / "restored.ckpt"
+    fit(fsdp(), new_model(), ckpt_path=saved, devices=1, max_epochs=1, callbacks=[SaveAfterRestore(restored)])
+    assert_same_checkpoint_state(saved, restored)
 
 
-def test_a_sharded_checkpoint_given_to_another_strategy_is_refused_naming_consolidate(tmp_path: Path) -> None:
+def test_a_sharded_checkpoint_given_to_another_strategy_is_read_whole_and_restored_exactly(tmp_path: Path) -> None:
     saved = _save_sharded(tmp_path)
-    with pytest.raises(Exception, match=r"is a directory: a sharded checkpoint.*lightning-strategies consolidate"):
-        fit("ddp_sharded_fork", new_model(), ckpt_path=saved)
+    restored = tmp_path / "restored.ckpt"
+    fit("ddp_sharded_fork", new_model(), ckpt_path=saved, max_epochs=1, callbacks=[SaveAfterRestore(restored)])
+    assert_same_checkpoint_state(saved, restored)
 
 
 # ---------------------------------------------------------------------------------------------- launchers

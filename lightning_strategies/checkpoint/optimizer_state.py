@@ -141,6 +141,35 @@ def shallow_copy_state(state: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def numbered_through_groups(state: Any) -> Any:
+    """``state`` with its parameters numbered 0, 1, ... through the param groups, as torch's ``state_dict()`` does.
+
+    torch's own ``load_state_dict`` reads the numbers only as labels matched through the groups' ``params`` lists, so
+    any numbering means the same state. Upstream Lightning's ``ModelParallelStrategy`` and ``FSDPStrategy`` number
+    parameters in the module's parameter order in their full files; with param groups in another order (the usual
+    no-weight-decay groups) or a frozen parameter left out, their numbers differ from the canonical ones, and are
+    renumbered here. Anything that is not a plain numbering (repeated or unlisted numbers) is returned unchanged, for
+    the checks to name.
+    """
+    if not isinstance(state, Mapping) or not isinstance(state.get("param_groups"), Sequence):
+        return state
+    groups = state["param_groups"]
+    if not all(isinstance(group, Mapping) and isinstance(group.get("params"), Sequence) for group in groups):
+        return state
+    numbers = [number for group in groups for number in group["params"]]
+    if numbers == list(range(len(numbers))) or len(set(numbers)) != len(numbers):
+        return state
+    position = {number: index for index, number in enumerate(numbers)}
+    entries = state.get("state", {})
+    if not isinstance(entries, Mapping) or any(key not in position for key in entries):
+        return state
+    return {
+        **state,
+        "state": {position[key]: value for key, value in sorted(entries.items(), key=lambda item: position[item[0]])},
+        "param_groups": [{**group, "params": [position[number] for number in group["params"]]} for group in groups],
+    }
+
+
 def name_keyed_to_canonical(by_name: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
     """Re-keys an optimizer state keyed by parameter name (torch's full state-dict API) into the canonical layout.
 

@@ -39,6 +39,7 @@ from lightning_strategies.checkpoint import (
 from lightning_strategies.checkpoint.atomic import raise_if_disk_full, replace_directory
 from lightning_strategies.checkpoint.consolidation import consolidate
 from lightning_strategies.checkpoint.errors import CheckpointFormatError
+from lightning_strategies.checkpoint.optimizer_state import numbered_through_groups
 from lightning_strategies.checkpoint.sharded import (
     new_save_id,
     open_sharded,
@@ -642,6 +643,9 @@ class DirectReferenceStrategy(ParallelStrategy):
             checkpoint_path, load=lambda: self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=True)
         )
         require_full_checkpoint(checkpoint, source=self._checkpoint_source)
+        states = checkpoint.get("optimizer_states")
+        if isinstance(states, list):  # upstream's full files number parameters in the module's order
+            checkpoint["optimizer_states"] = [numbered_through_groups(state) for state in states]
         return checkpoint
 
     @override

@@ -1,0 +1,243 @@
+"""Checkpoints move between upstream Lightning's sharded strategies and every strategy of ours, both ways, exactly.
+
+A user who never installed this package trains with upstream's ``ModelParallelStrategy`` (``fully_shard`` in
+``configure_model``), which writes a ``torch.distributed.checkpoint`` directory by default and one full file with
+``save_distributed_checkpoint=False``, or with ``FSDPStrategy`` (torch FSDP1). Each of our strategies resumes their
+files; upstream resumes our full files and our ``fsdp2`` directories; our ``fsdp_fairscale`` rank files reach upstream
+through ``consolidate``. Every resume restores what was saved exactly and continues the uninterrupted run (losses at
+1e-5).
+
+``FSDPStrategy`` refuses the CPU twice, and the tests apply the two smallest fixes there are (nothing in the
+package): a subclass (the refusal checks ``type(strategy) is FSDPStrategy``), and the model wraps its layers in
+``configure_model`` with ``device_id=torch.device("cpu")`` (upstream passes the device *index*, ``None`` on the CPU,
+which torch's FSDP1 refuses). Its full state dict crashes torch's FSDP1 on the CPU (a segfault in its state-dict hook),
+so its full file is built here with the API upstream writes it with (``FSDP.rekey_optim_state_dict`` to parameter
+ids), from a canonical file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.strategies import FSDPStrategy, ModelParallelStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType, fully_shard
+
+from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy
+from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed
+from lightning_strategies.cli.consolidate import consolidate_checkpoint
+from lightning_strategies.testing.models import ConformanceModel
+from lightning_strategies.testing.state import SaveAfterRestore
+from tests.helpers import assert_same_checkpoint_state
+from tests.ranks import run_as_ranks
+
+EPOCHS = 2
+LOSS_RTOL = 1e-5
+
+
+class FSDPStrategyOnCPU(FSDPStrategy):
+    """Upstream's ``FSDPStrategy``, past its accelerator check (which looks for that exact type)."""
+
+
+class ShardedByUser(ConformanceModel):
+    """The conformance model as upstream's docs shard it in ``configure_model``: ``fully_shard`` per layer and on the
+    root over the data-parallel mesh under ``ModelParallelStrategy``, FSDP1 per layer under ``FSDPStrategy`` (on the
+    CPU device, see above). Our strategies shard it themselves."""
+
+    def configure_model(self) -> None:
+        strategy = self.trainer.strategy
+        if isinstance(strategy, ModelParallelStrategy):
+            mesh = strategy.device_mesh["data_parallel"]
+            for layer in (self.encoder, self.head):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+        elif isinstance(strategy, FSDPStrategy):
+            cpu = torch.device("cpu")
+            self.encoder = FullyShardedDataParallel(self.encoder, device_id=cpu, use_orig_params=True)
+            self.head = FullyShardedDataParallel(self.head, device_id=cpu, use_orig_params=True)
+
+
+class NoDecayGroups(ShardedByUser):
+    """The usual no-weight-decay recipe: matrices in one group, biases in another, so the groups list parameters in
+    another order than the module holds them (encoder.weight, head.weight | encoder.bias, head.bias)."""
+
+    def configure_optimizers(self) -> Any:
+        weights = [param for name, param in self.named_parameters() if name.endswith("weight")]
+        biases = [param for name, param in self.named_parameters() if name.endswith("bias")]
+        groups = [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=0.02)
+
+
+def upstream(distributed: bool) -> Callable[[], Any]:
+    return lambda: ModelParallelStrategy(
+        data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=distributed
+    )
+
+
+OURS: dict[str, Callable[[], Any]] = {
+    "ddp_sharded": lambda: "ddp_sharded",
+    "fsdp_fairscale": lambda: "fsdp_fairscale",
+    "fsdp2": lambda: "fsdp2",
+}
+
+
+OURS_SHARDED: dict[str, Callable[[], Any]] = {
+    "fsdp2-sharded": lambda: FSDP2Strategy(state_dict_type="sharded"),
+    "fsdp_fairscale-sharded": lambda: FairScaleFSDPStrategy(state_dict_type="sharded"),
+}
+
+
+def _fit(
+    strategy: Callable[[], Any], root: Path, epochs: int, ckpt_path: Path | None, model_class: type[ShardedByUser]
+) -> list[float]:
+    """Runs on every rank: trains, saving at each epoch's end (and right after a resume's restore)."""
+    pl.seed_everything(7, verbose=False)
+    model = model_class()
+    callbacks: list[pl.Callback] = [ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1)]
+    if ckpt_path is not None:
+        callbacks.append(SaveAfterRestore(root / "restored.ckpt"))
+    trainer = pl.Trainer(
+        strategy=strategy(),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=epochs,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return list(model.train_losses)
+
+
+def fit(
+    strategy: Callable[[], Any],
+    root: Path,
+    epochs: int = EPOCHS,
+    ckpt_path: Path | None = None,
+    model_class: type[ShardedByUser] = ShardedByUser,
+) -> list[float]:
+    """Rank 0's losses of a fit on two forked ranks."""
+    return run_as_ranks(lambda: _fit(strategy, root, epochs, ckpt_path, model_class))[0]
+
+
+def assert_continues(uninterrupted: list[float], resumed: list[float]) -> None:
+    assert resumed, "the resumed run trained no step"
+    tail = uninterrupted[len(uninterrupted) - len(resumed) :]
+    assert torch.allclose(torch.tensor(resumed), torch.tensor(tail), rtol=LOSS_RTOL, atol=0), (resumed, tail)
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Upstream's uninterrupted run (its sharded directories) and its full files; one epoch of each of ours."""
+    root = tmp_path_factory.mktemp("saves")
+    found: dict[str, Any] = {"losses": fit(upstream(True), root / "upstream-sharded")}
+    found["upstream-sharded"] = root / "upstream-sharded" / "epoch=0.ckpt"
+    fit(upstream(False), root / "upstream-full", epochs=1)
+    found["upstream-full"] = root / "upstream-full" / "epoch=0.ckpt"
+    for name, strategy in {**OURS, **OURS_SHARDED}.items():
+        fit(strategy, root / name, epochs=1)
+        found[name] = root / name / "epoch=0.ckpt"
+    fit(lambda: FSDPStrategyOnCPU(state_dict_type="sharded"), root / "fsdp1-sharded", epochs=1)
+    found["fsdp1-sharded"] = root / "fsdp1-sharded" / "epoch=0.ckpt"
+    found["no-decay losses"] = fit(upstream(False), root / "no-decay-upstream", model_class=NoDecayGroups)
+    found["no-decay upstream-full"] = root / "no-decay-upstream" / "epoch=0.ckpt"
+    fit(OURS["fsdp2"], root / "no-decay-fsdp2", epochs=1, model_class=NoDecayGroups)
+    found["no-decay fsdp2"] = root / "no-decay-fsdp2" / "epoch=0.ckpt"
+    return found
+
+
+def test_upstream_writes_what_this_test_means_to_read(saves: dict[str, Any]) -> None:
+    assert (saves["upstream-sharded"] / ".metadata").is_file() and (saves["upstream-sharded"] / "meta.pt").is_file()
+    assert saves["upstream-full"].is_file()
+
+
+@pytest.mark.parametrize("form", ["upstream-sharded", "upstream-full", "fsdp1-sharded"])
+@pytest.mark.parametrize("ours", list(OURS))
+def test_each_of_our_strategies_resumes_upstreams_checkpoint_exactly(
+    tmp_path: Path, saves: dict[str, Any], ours: str, form: str
+) -> None:
+    losses = fit(OURS[ours], tmp_path, ckpt_path=saves[form])
+    assert_same_checkpoint_state(saves[form], tmp_path / "restored.ckpt")
+    assert_continues(saves["losses"], losses)
+
+
+@pytest.mark.parametrize("ours", list(OURS))
+def test_upstream_resumes_each_of_our_full_checkpoints_exactly(
+    tmp_path: Path, saves: dict[str, Any], ours: str
+) -> None:
+    losses = fit(upstream(False), tmp_path, ckpt_path=saves[ours])
+    assert_same_checkpoint_state(saves[ours], tmp_path / "restored.ckpt")
+    assert_continues(saves["losses"], losses)
+
+
+def test_upstream_resumes_our_fsdp2_sharded_directory_exactly(tmp_path: Path, saves: dict[str, Any]) -> None:
+    losses = fit(upstream(False), tmp_path, ckpt_path=saves["fsdp2-sharded"])
+    assert_same_checkpoint_state(saves["fsdp2-sharded"], tmp_path / "restored.ckpt")
+    assert_continues(saves["losses"], losses)
+
+
+def test_our_fairscale_rank_files_reach_upstream_through_consolidate(tmp_path: Path, saves: dict[str, Any]) -> None:
+    with pytest.raises(RuntimeError):  # upstream reads only torch.distributed.checkpoint directories
+        fit(upstream(False), tmp_path / "direct", ckpt_path=saves["fsdp_fairscale-sharded"])
+    consolidated = tmp_path / "consolidated.ckpt"
+    consolidate_checkpoint(saves["fsdp_fairscale-sharded"], consolidated, show_progress=False)
+    losses = fit(upstream(False), tmp_path / "resumed", ckpt_path=consolidated)
+    assert_same_checkpoint_state(saves["fsdp_fairscale-sharded"], tmp_path / "resumed" / "restored.ckpt")
+    assert_continues(saves["losses"], losses)
+
+
+@pytest.mark.parametrize("ours", list(OURS))
+def test_upstreams_full_file_with_param_groups_out_of_module_order_resumes_exactly(
+    tmp_path: Path, saves: dict[str, Any], ours: str
+) -> None:
+    # Upstream numbers the parameters of its full files in the module's order ([[0, 2], [1, 3]] here), torch through
+    # the groups ([[0, 1], [2, 3]]): both mean the same state, and it must land on the same parameters.
+    saved = saves["no-decay upstream-full"]
+    assert [
+        group["params"] for group in torch.load(saved, weights_only=True)["optimizer_states"][0]["param_groups"]
+    ] == [
+        [0, 2],
+        [1, 3],
+    ]
+    losses = fit(OURS[ours], tmp_path, ckpt_path=saved, model_class=NoDecayGroups)
+    assert_same_checkpoint_state(saved, tmp_path / "restored.ckpt")
+    assert_continues(saves["no-decay losses"], losses)
+
+
+def test_fsdp_strategy_resumes_our_full_checkpoint_exactly(tmp_path: Path, saves: dict[str, Any]) -> None:
+    losses = fit(lambda: FSDPStrategyOnCPU(state_dict_type="sharded"), tmp_path, ckpt_path=saves["fsdp2"])
+    assert_same_checkpoint_state(saves["fsdp2"], tmp_path / "restored.ckpt")
+    assert_continues(saves["losses"], losses)
+
+
+def _as_fsdp_strategy_full_file(canonical_file: Path, out: Path) -> Path:
+    """What ``FSDPStrategy(state_dict_type="full")`` writes: optimizer state re-keyed by FSDP1's own API from
+    parameter names to parameter ids, which number the module's parameters in its order."""
+    checkpoint = torch.load(canonical_file, weights_only=True)
+    model = NoDecayGroups()
+    names = [name for name, _ in model.named_parameters()]
+    weights, biases = [n for n in names if n.endswith("weight")], [n for n in names if n.endswith("bias")]
+    by_name = canonical_to_name_keyed(checkpoint["optimizer_states"][0], weights + biases)
+    by_id = FullyShardedDataParallel.rekey_optim_state_dict(by_name, OptimStateKeyType.PARAM_ID, model)
+    torch.save({**checkpoint, "optimizer_states": [by_id]}, out)
+    return out
+
+
+@pytest.mark.parametrize("ours", list(OURS))
+def test_each_of_our_strategies_resumes_an_fsdp_strategy_full_file_exactly(
+    tmp_path: Path, saves: dict[str, Any], ours: str
+) -> None:
+    saved = _as_fsdp_strategy_full_file(saves["no-decay fsdp2"], tmp_path / "fsdp1-full.ckpt")
+    groups = torch.load(saved, weights_only=True)["optimizer_states"][0]["param_groups"]
+    assert [group["params"] for group in groups] == [[0, 2], [1, 3]]  # module order, not torch's
+    losses = fit(OURS[ours], tmp_path, ckpt_path=saved, model_class=NoDecayGroups)
+    assert_same_checkpoint_state(saves["no-decay fsdp2"], tmp_path / "restored.ckpt")
+    assert_continues(saves["no-decay losses"], losses)
