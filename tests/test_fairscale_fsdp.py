@@ -267,14 +267,14 @@ def test_a_sharded_checkpoint_resumes_at_the_same_world_size_like_an_uninterrupt
 def test_a_sharded_checkpoint_at_another_world_size_is_read_whole_and_restored_exactly(tmp_path: Path) -> None:
     saved = _save_sharded(tmp_path)
     restored = tmp_path / "restored.ckpt"
-    fit(fsdp(), new_model(), ckpt_path=saved, devices=1, max_epochs=1, callbacks=[SaveAfterRestore(restored)])
+    fit(fsdp(), new_model(), ckpt_path=saved, devices=1, max_epochs=2, callbacks=[SaveAfterRestore(restored)])
     assert_same_checkpoint_state(saved, restored)
 
 
 def test_a_sharded_checkpoint_given_to_another_strategy_is_read_whole_and_restored_exactly(tmp_path: Path) -> None:
     saved = _save_sharded(tmp_path)
     restored = tmp_path / "restored.ckpt"
-    fit("ddp_sharded_fork", new_model(), ckpt_path=saved, max_epochs=1, callbacks=[SaveAfterRestore(restored)])
+    fit("ddp_sharded_fork", new_model(), ckpt_path=saved, max_epochs=2, callbacks=[SaveAfterRestore(restored)])
     assert_same_checkpoint_state(saved, restored)
 
 

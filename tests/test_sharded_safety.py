@@ -131,9 +131,9 @@ def _craft_dcp_metadata(directory: Path, marker: Path) -> None:
 
 
 def _craft_dcp_item(directory: Path, marker: Path) -> None:
-    """Points the item ``optimizers.0.param_groups.0.lr`` at a payload appended to rank 0's ``.distcp`` file."""
+    """Points the item ``optimizer_0.param_groups.0.lr`` at a payload appended to rank 0's ``.distcp`` file."""
     metadata = FileSystemReader(str(directory)).read_metadata()  # the test's own, trusted file
-    index = next(index for index in metadata.storage_data if index.fqn == "optimizers.0.param_groups.0.lr")
+    index = next(index for index in metadata.storage_data if index.fqn == "optimizer_0.param_groups.0.lr")
     info = metadata.storage_data[index]
     target = directory / info.relative_path
     buffer = io.BytesIO()

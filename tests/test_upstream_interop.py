@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType, 
 from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy
 from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed
 from lightning_strategies.cli.consolidate import consolidate_checkpoint
+from lightning_strategies.cli.inspection import inspect_path
 from lightning_strategies.testing.models import ConformanceModel
 from lightning_strategies.testing.state import SaveAfterRestore
 from tests.helpers import assert_same_checkpoint_state
@@ -241,3 +242,40 @@ def test_each_of_our_strategies_resumes_an_fsdp_strategy_full_file_exactly(
     losses = fit(OURS[ours], tmp_path, ckpt_path=saved, model_class=NoDecayGroups)
     assert_same_checkpoint_state(saves["no-decay fsdp2"], tmp_path / "restored.ckpt")
     assert_continues(saves["no-decay losses"], losses)
+
+
+# ---------------------------------------------------------------------------------------------- inspect, consolidate
+
+
+@pytest.mark.parametrize(
+    ("form", "writer"), [("upstream-sharded", "ModelParallelStrategy"), ("fsdp1-sharded", "FSDPStrategy")]
+)
+def test_inspect_names_upstreams_sharded_directory_and_reports_it_clean(
+    saves: dict[str, Any], form: str, writer: str
+) -> None:
+    report = inspect_path(saves[form], f"{__name__}:ShardedByUser")
+    assert not report.errors, report.errors
+    named = [finding.message for finding in report.findings if finding.code == "upstream-sharded"]
+    assert named and f"upstream Lightning ({writer})" in named[0] and "keyed by parameter name" in named[0]
+    assert report.written_by is not None and report.written_by["strategy"] == f"lightning:{writer}"
+
+
+def test_inspect_says_how_upstreams_full_file_numbers_its_optimizer_state(saves: dict[str, Any]) -> None:
+    report = inspect_path(saves["no-decay upstream-full"], f"{__name__}:NoDecayGroups")
+    assert not report.errors, report.errors
+    numbering = [finding.message for finding in report.findings if finding.code == "optimizer-numbering"]
+    assert numbering and "module's parameter order" in numbering[0]
+    assert "optimizer-numbering" not in {finding.code for finding in inspect_path(saves["fsdp2"]).findings}
+
+
+@pytest.mark.parametrize("form", ["upstream-sharded", "fsdp1-sharded"])
+def test_consolidate_turns_upstreams_directory_into_the_full_file_upstream_would_write(
+    tmp_path: Path, saves: dict[str, Any], form: str
+) -> None:
+    out = tmp_path / "full.ckpt"
+    consolidate_checkpoint(saves[form], out, show_progress=False)
+    full = torch.load(out, weights_only=True)
+    assert set(full["state_dict"]) == set(ShardedByUser().state_dict())
+    assert full["global_step"] == torch.load(saves["upstream-full"], weights_only=True)["global_step"]
+    if form == "upstream-sharded":  # the same run saved both ways: the same state
+        assert_same_checkpoint_state(saves["upstream-full"], out)

@@ -315,7 +315,16 @@ def optimizer_findings(report: Inspection, states: Any, model_state: Mapping[str
                 f"{where} has state for parameter index(es) {_listing([str(key) for key in unlisted])} that no param"
                 f" group lists (groups list {len(listed)}): one rank's local state, keyed by that rank's own indices.",
             )
-        elif 0 < len(with_state) < len(listed):
+        elif listed != list(range(len(listed))) and len(set(listed)) == len(listed):
+            report.add(
+                "info",
+                "optimizer-numbering",
+                f"{where} numbers its parameters {_listing([str(p) for p in listed])} through its param groups, not"
+                " 0, 1, ... as torch's state_dict() does: upstream Lightning's ModelParallelStrategy and FSDPStrategy"
+                " number them in the module's parameter order. It is the same state (torch matches the numbers"
+                " through the groups); the strategies here renumber it on load.",
+            )
+        if not unlisted and 0 < len(with_state) < len(listed):
             report.add(
                 "warning",
                 "optimizer-partial",
