@@ -1,0 +1,121 @@
+"""Runs upstream Lightning's sharded strategies and ours side by side on forked ranks (see ``tests/ranks.py``).
+
+``FSDPStrategy`` refuses the CPU twice, and the runs apply the two smallest fixes there are (nothing in the
+package): a subclass (the refusal checks ``type(strategy) is FSDPStrategy``), and the model wraps its layers in
+``configure_model`` with ``device_id=torch.device("cpu")`` (upstream passes the device *index*, ``None`` on the CPU,
+which torch's FSDP1 refuses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.strategies import FSDPStrategy, ModelParallelStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy
+from lightning_strategies.testing.models import ConformanceModel
+from lightning_strategies.testing.state import SaveAfterRestore
+from tests.ranks import run_as_ranks
+
+EPOCHS = 2
+LOSS_RTOL = 1e-5
+
+
+class FSDPStrategyOnCPU(FSDPStrategy):
+    """Upstream's ``FSDPStrategy``, past its accelerator check (which looks for that exact type)."""
+
+
+class ShardedByUser(ConformanceModel):
+    """The conformance model as upstream's docs shard it in ``configure_model``: ``fully_shard`` per layer and on the
+    root over the data-parallel mesh under ``ModelParallelStrategy``, FSDP1 per layer under ``FSDPStrategy`` (on the
+    CPU device, see above). Our strategies shard it themselves."""
+
+    def configure_model(self) -> None:
+        strategy = self.trainer.strategy
+        if isinstance(strategy, ModelParallelStrategy):
+            mesh = strategy.device_mesh["data_parallel"]
+            for layer in (self.encoder, self.head):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+        elif isinstance(strategy, FSDPStrategy):
+            cpu = torch.device("cpu")
+            self.encoder = FullyShardedDataParallel(self.encoder, device_id=cpu, use_orig_params=True)
+            self.head = FullyShardedDataParallel(self.head, device_id=cpu, use_orig_params=True)
+
+
+class NoDecayGroups(ShardedByUser):
+    """The usual no-weight-decay recipe: matrices in one group, biases in another, so the groups list parameters in
+    another order than the module holds them (encoder.weight, head.weight | encoder.bias, head.bias)."""
+
+    def configure_optimizers(self) -> Any:
+        weights = [param for name, param in self.named_parameters() if name.endswith("weight")]
+        biases = [param for name, param in self.named_parameters() if name.endswith("bias")]
+        groups = [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=0.02)
+
+
+def upstream(distributed: bool) -> Callable[[], Any]:
+    return lambda: ModelParallelStrategy(
+        data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=distributed
+    )
+
+
+OURS: dict[str, Callable[[], Any]] = {
+    "ddp_sharded": lambda: "ddp_sharded",
+    "fsdp_fairscale": lambda: "fsdp_fairscale",
+    "fsdp2": lambda: "fsdp2",
+}
+
+
+OURS_SHARDED: dict[str, Callable[[], Any]] = {
+    "fsdp2-sharded": lambda: FSDP2Strategy(state_dict_type="sharded"),
+    "fsdp_fairscale-sharded": lambda: FairScaleFSDPStrategy(state_dict_type="sharded"),
+}
+
+
+def _fit(
+    strategy: Callable[[], Any], root: Path, epochs: int, ckpt_path: Path | None, model_class: type[ShardedByUser]
+) -> list[float]:
+    """Runs on every rank: trains, saving at each epoch's end (and right after a resume's restore)."""
+    pl.seed_everything(7, verbose=False)
+    model = model_class()
+    callbacks: list[pl.Callback] = [ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1)]
+    if ckpt_path is not None:
+        callbacks.append(SaveAfterRestore(root / "restored.ckpt"))
+    trainer = pl.Trainer(
+        strategy=strategy(),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=epochs,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return list(model.train_losses)
+
+
+def fit(
+    strategy: Callable[[], Any],
+    root: Path,
+    epochs: int = EPOCHS,
+    ckpt_path: Path | None = None,
+    model_class: type[ShardedByUser] = ShardedByUser,
+) -> list[float]:
+    """Rank 0's losses of a fit on two forked ranks."""
+    return run_as_ranks(lambda: _fit(strategy, root, epochs, ckpt_path, model_class))[0]
+
+
+def assert_continues(uninterrupted: list[float], resumed: list[float]) -> None:
+    assert resumed, "the resumed run trained no step"
+    tail = uninterrupted[len(uninterrupted) - len(resumed) :]
+    assert torch.allclose(torch.tensor(resumed), torch.tensor(tail), rtol=LOSS_RTOL, atol=0), (resumed, tail)
