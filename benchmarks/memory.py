@@ -17,15 +17,22 @@ MEASURED_STEP = 1  # the second step: the optimizer already holds state, the gra
 
 
 class _TrainingStateBytes(pl.Callback):
+    """Counts after the measured step's backward: gradients are fresh and the optimizer holds state.
+
+    Not in ``on_before_optimizer_step``: a callback that overrides it makes the sharded strategies hand it complete
+    gradients (``strategy.complete_gradients()``, for ``grad_norm``), which is what such a callback costs, not what
+    training holds.
+    """
+
     def __init__(self) -> None:
         self.bytes: dict[str, int] = {}
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step == MEASURED_STEP:
             wrapper = trainer.strategy.model
             if wrapper is None:
                 raise RuntimeError("The strategy has no model during fit.")
-            self.bytes = training_state_bytes(wrapper.parameters(), raw_optimizer(optimizer))
+            self.bytes = training_state_bytes(wrapper.parameters(), raw_optimizer(trainer.strategy.optimizers[0]))
 
 
 def run(config: Config, workdir: Path) -> dict[str, Any]:
