@@ -9,6 +9,8 @@ from typing import Any
 
 #: The strategies of this package that the benchmarks compare with hand-written loops.
 STRATEGIES: tuple[str, ...] = ("ddp_sharded", "fsdp_fairscale", "fsdp2")
+#: Models the overhead benchmark can train (``benchmarks.models.workload``).
+MODELS: tuple[str, ...] = ("mlp", "gpt2")
 #: Benchmarks in the order they run.
 BENCHMARKS: tuple[str, ...] = ("overhead", "save", "resume", "memory", "scaling")
 
@@ -70,7 +72,7 @@ class Config:
     scaling_params: tuple[int, ...] = (1_000_000, 10_000_000, 50_000_000, 100_000_000)
     scaling_width: int = 1024
     scaling_repeats: int = 2
-    overhead_models: tuple[str, ...] = ("mlp", "gpt2")
+    overhead_models: tuple[str, ...] = MODELS
     gpt2_vocab: int = 8192
     gpt2_width: int = 256
     gpt2_layers: int = 6
@@ -122,12 +124,17 @@ SMOKE = Config(
 
 
 def config_for(
-    smoke: bool, benchmarks: tuple[str, ...] | None = None, strategies: tuple[str, ...] | None = None
+    smoke: bool,
+    benchmarks: tuple[str, ...] | None = None,
+    strategies: tuple[str, ...] | None = None,
+    overhead_models: tuple[str, ...] | None = None,
 ) -> Config:
-    """The full or smoke configuration, optionally restricted to some benchmarks and strategies."""
+    """The full or smoke configuration, optionally restricted to some benchmarks, strategies and overhead models."""
     config = SMOKE if smoke else FULL
     if benchmarks:
         config = replace(config, benchmarks=benchmarks)
     if strategies:
         config = replace(config, strategies=strategies)
+    if overhead_models:
+        config = replace(config, overhead_models=overhead_models)
     return config

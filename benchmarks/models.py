@@ -19,11 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from .config import Config
+from .config import MODELS, Config
 
 LEARNING_RATE = 1e-3
-#: The models the overhead benchmark can run (``Config.overhead_models``).
-MODELS: tuple[str, ...] = ("mlp", "gpt2")
 
 
 class BenchModule(pl.LightningModule):

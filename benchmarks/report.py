@@ -64,6 +64,8 @@ def summarize_overhead(ranks: Sequence[dict[str, Any]], config: Config, goals: l
         variants[name] = summary
     ratios: dict[str, Any] = {}
     for strategy in config.strategies:
+        if f"ours:{strategy}" not in variants:
+            continue  # the MLP did not run (``--models`` without ``mlp``)
         ours, hand, ddp = variants[f"ours:{strategy}"], variants[f"hand:{strategy}"], variants["upstream:ddp"]
         paired = [o / h for o, h in zip(ours["step_s"]["runs"], hand["step_s"]["runs"], strict=True)]
         ratios[strategy] = {
