@@ -20,13 +20,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.optim import Optimizer
 
 from lightning_strategies import fairscale_cpu
 from lightning_strategies.checkpoint.atomic import atomic_torch_save
 
-from .models import LEARNING_RATE, BenchModel
+from .models import LEARNING_RATE, BenchModule, shard_like_fsdp2
 
 _FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -54,25 +53,26 @@ class Wrapped:
     close: Callable[[], None] = field(default=_nothing)
 
 
-def wrap(strategy: str, module: BenchModel) -> Wrapped:
-    """Wraps ``module`` the way the strategy does with its default options, by hand.
+def wrap(strategy: str, module: BenchModule) -> Wrapped:
+    """Wraps ``module`` the way the strategy does with its default options, by hand (``fsdp2``: also each block of
+    ``module.block_classes()``, as ``FSDP2Strategy(shard_module_classes=...)`` does), with the module's optimizer.
 
     Raises:
         ValueError: An unknown strategy name.
     """
     if strategy == "ddp_sharded":
-        oss = OSS(module.parameters(), optim=torch.optim.Adam, lr=LEARNING_RATE)
+        oss = OSS(module.parameters(), optim=module.optimizer_class, lr=LEARNING_RATE)
         sharded = ShardedDataParallel(module, oss, reduce_buffer_size=0)  # the strategy's default
         return Wrapped(strategy, module, sharded, oss)
     if strategy == "fsdp_fairscale":
         patched = fairscale_cpu.install()  # what the strategy installs on CPU; fairscale FSDP needs it there
         fsdp = FullyShardedDataParallel(module, compute_device=torch.device("cpu"), state_dict_on_rank_0_only=True)
-        adam = torch.optim.Adam(fsdp.parameters(), lr=LEARNING_RATE)
-        return Wrapped(strategy, module, fsdp, adam, fairscale_cpu.uninstall if patched else _nothing)
+        optimizer = module.optimizer_class(fsdp.parameters(), lr=LEARNING_RATE)
+        return Wrapped(strategy, module, fsdp, optimizer, fairscale_cpu.uninstall if patched else _nothing)
     if strategy == "fsdp2":
-        fully_shard(module, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-        adam = torch.optim.Adam(module.parameters(), lr=LEARNING_RATE)
-        return Wrapped(strategy, module, module, adam)
+        shard_like_fsdp2(module, init_device_mesh("cpu", (dist.get_world_size(),)))
+        optimizer = module.optimizer_class(module.parameters(), lr=LEARNING_RATE)
+        return Wrapped(strategy, module, module, optimizer)
     raise ValueError(f"No hand-written wrapper for strategy {strategy!r}; known: ddp_sharded, fsdp_fairscale, fsdp2.")
 
 

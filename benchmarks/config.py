@@ -9,8 +9,30 @@ from typing import Any
 
 #: The strategies of this package that the benchmarks compare with hand-written loops.
 STRATEGIES: tuple[str, ...] = ("ddp_sharded", "fsdp_fairscale", "fsdp2")
+#: Models the overhead benchmark can train (``benchmarks.models.workload``).
+MODELS: tuple[str, ...] = ("mlp", "gpt2")
 #: Benchmarks in the order they run.
 BENCHMARKS: tuple[str, ...] = ("overhead", "save", "resume", "memory", "scaling")
+
+#: The strategy of this package that upstream Lightning's ``ModelParallelStrategy`` is compared with.
+UPSTREAM_PEER = "fsdp2"
+#: Upstream's ``ModelParallelStrategy`` (data parallel over every rank, distributed checkpoint directory).
+MODEL_PARALLEL = "model_parallel"
+#: The same, saving one full checkpoint file (``save_distributed_checkpoint=False``).
+MODEL_PARALLEL_FULL = "model_parallel_full"
+#: ``FSDP2Strategy(state_dict_type="sharded")``: a sharded checkpoint directory.
+FSDP2_SHARDED = "fsdp2_sharded"
+#: Per checkpoint kind, the strategy of ours and upstream's that save it (save and resume benchmarks): a full file
+#: each (``fsdp2``'s default, ``save_distributed_checkpoint=False``) and a sharded directory each (upstream's default).
+UPSTREAM_PAIRS: dict[str, tuple[str, str]] = {
+    "full": (UPSTREAM_PEER, MODEL_PARALLEL_FULL),
+    "sharded": (FSDP2_SHARDED, MODEL_PARALLEL),
+}
+
+
+def is_model_parallel(strategy: str) -> bool:
+    """Whether a benchmark's strategy name is upstream's ``ModelParallelStrategy`` (the model shards itself)."""
+    return strategy in (MODEL_PARALLEL, MODEL_PARALLEL_FULL)
 
 
 @dataclass(frozen=True)
@@ -28,6 +50,14 @@ class Config:
         scaling_params: Approximate parameter counts of the scaling benchmark's models.
         scaling_width: Width of the scaling models (depth grows with size, so tensors grow in number and size).
         scaling_repeats: Save/load repeats per model size.
+        overhead_models: Models of the overhead benchmark: ``mlp`` (every strategy, hand loops, upstream ``ddp``
+            and ``ModelParallelStrategy``) and ``gpt2`` (``fsdp2``, its hand loop and ``ModelParallelStrategy``).
+        gpt2_vocab: Vocabulary of the overhead benchmark's GPT-2.
+        gpt2_width: Embedding width (``n_embd``) of the GPT-2.
+        gpt2_layers: Transformer blocks of the GPT-2.
+        gpt2_heads: Attention heads of the GPT-2.
+        gpt2_sequence: Tokens per GPT-2 sample.
+        gpt2_batch_size: GPT-2 samples per rank and step.
         strategies: Strategies of this package to compare.
         benchmarks: Benchmarks to run.
     """
@@ -42,6 +72,13 @@ class Config:
     scaling_params: tuple[int, ...] = (1_000_000, 10_000_000, 50_000_000, 100_000_000)
     scaling_width: int = 1024
     scaling_repeats: int = 2
+    overhead_models: tuple[str, ...] = MODELS
+    gpt2_vocab: int = 8192
+    gpt2_width: int = 256
+    gpt2_layers: int = 6
+    gpt2_heads: int = 4
+    gpt2_sequence: int = 64
+    gpt2_batch_size: int = 4
     strategies: tuple[str, ...] = STRATEGIES
     benchmarks: tuple[str, ...] = BENCHMARKS
 
@@ -77,16 +114,27 @@ SMOKE = Config(
     scaling_params=(20_000, 40_000, 80_000),
     scaling_width=64,
     scaling_repeats=1,
+    gpt2_vocab=128,
+    gpt2_width=32,
+    gpt2_layers=2,
+    gpt2_heads=2,
+    gpt2_sequence=16,
+    gpt2_batch_size=4,
 )
 
 
 def config_for(
-    smoke: bool, benchmarks: tuple[str, ...] | None = None, strategies: tuple[str, ...] | None = None
+    smoke: bool,
+    benchmarks: tuple[str, ...] | None = None,
+    strategies: tuple[str, ...] | None = None,
+    overhead_models: tuple[str, ...] | None = None,
 ) -> Config:
-    """The full or smoke configuration, optionally restricted to some benchmarks and strategies."""
+    """The full or smoke configuration, optionally restricted to some benchmarks, strategies and overhead models."""
     config = SMOKE if smoke else FULL
     if benchmarks:
         config = replace(config, benchmarks=benchmarks)
     if strategies:
         config = replace(config, strategies=strategies)
+    if overhead_models:
+        config = replace(config, overhead_models=overhead_models)
     return config

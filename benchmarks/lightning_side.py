@@ -7,14 +7,37 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch.distributed as dist
+from pytorch_lightning.strategies import ModelParallelStrategy, Strategy
 from torch.optim import Optimizer
 
-import lightning_strategies  # noqa: F401  (registers ddp_sharded, fsdp_fairscale, fsdp2)
+from lightning_strategies import FSDP2Strategy  # importing the package registers ddp_sharded, fsdp_fairscale, fsdp2
 
 from .by_hand import Wrapped
+from .config import FSDP2_SHARDED, MODEL_PARALLEL, MODEL_PARALLEL_FULL
+from .models import BenchModule
 
 
-def trainer(strategy: str, callbacks: list[pl.Callback], **overrides: Any) -> pl.Trainer:
+def strategy_for(name: str, module: BenchModule) -> str | Strategy:
+    """The strategy a benchmark variant names, configured for ``module``.
+
+    ``fsdp2`` shards each of ``module.block_classes()`` too (``shard_module_classes``); the upstream names build
+    ``ModelParallelStrategy`` over every rank with ``tensor_parallel_size=1`` (the module shards itself in
+    ``configure_model``, see ``models.shard_like_fsdp2``); other names are registered strategy names.
+    """
+    if name in (MODEL_PARALLEL, MODEL_PARALLEL_FULL):
+        return ModelParallelStrategy(
+            data_parallel_size=dist.get_world_size(),
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=name == MODEL_PARALLEL,
+        )
+    if name == FSDP2_SHARDED:
+        return FSDP2Strategy(state_dict_type="sharded", shard_module_classes=module.block_classes())
+    if name == "fsdp2" and module.block_classes():
+        return FSDP2Strategy(shard_module_classes=module.block_classes())
+    return name
+
+
+def trainer(strategy: str | Strategy, callbacks: list[pl.Callback], **overrides: Any) -> pl.Trainer:
     """A CPU Trainer over this process group without logging, progress bar, summary, checkpointing or validation.
 
     The workers are started like ``torchrun`` starts them (``LOCAL_RANK`` etc. set) and already hold the process

@@ -12,7 +12,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 from matplotlib.axes import Axes
 
-COLORS = {"ours": "#1f77b4", "hand": "#ff7f0e", "upstream": "#7f7f7f", "fresh": "#2ca02c", "resume": "#1f77b4"}
+COLORS = {
+    "ours": "#1f77b4",
+    "hand": "#ff7f0e",
+    "hand-written": "#ff7f0e",
+    "upstream": "#7f7f7f",
+    "fresh": "#2ca02c",
+    "resume": "#1f77b4",
+}
 
 
 def _bars(
@@ -33,31 +40,97 @@ def _bars(
     axes.legend()
 
 
-def plot_overhead(summary: dict[str, Any], path: Path) -> None:
+_NONE = {"median": 0.0, "min": 0.0, "max": 0.0}
+
+
+def _plot_against_hand(axes: Axes, summary: dict[str, Any]) -> None:
     variants = summary["variants"]
     strategies = list(summary["ratios"])
-    figure, axes = plt.subplots(figsize=(7, 4))
     _bars(
         axes,
         [*strategies, "ddp"],
         {
             "ours (Trainer)": [variants[f"ours:{s}"]["step_s"] for s in strategies]
             + [variants["upstream:ddp"]["step_s"]],
-            "hand-written loop": [variants[f"hand:{s}"]["step_s"] for s in strategies]
-            + [{"median": 0.0, "min": 0.0, "max": 0.0}],
+            "hand-written loop": [variants[f"hand:{s}"]["step_s"] for s in strategies] + [_NONE],
         },
         1e3,
         "step time, ms (median, min-max)",
     )
-    axes.set_title("Step time: Trainer + strategy vs hand-written loop (2 CPU ranks)")
+    axes.set_title("MLP: Trainer + strategy vs hand-written loop")
+
+
+def _plot_against_model_parallel(axes: Axes, summary: dict[str, Any]) -> None:
+    """``fsdp2``, its hand-written loop and upstream's ``ModelParallelStrategy``, per model, relative to ``fsdp2``."""
+    variants = summary["variants"]
+    suffixes = {"MLP": "", "GPT-2": "@gpt2"}
+    models = [model for model, suffix in suffixes.items() if f"upstream:model_parallel{suffix}" in variants]
+
+    def relative(name: str, model: str) -> dict[str, float]:
+        row = variants.get(f"{name}{suffixes[model]}")
+        if row is None:
+            return _NONE
+        base = variants[f"ours:fsdp2{suffixes[model]}"]["step_s"]["median"]
+        return {key: row["step_s"][key] / base for key in ("median", "min", "max")}
+
+    _bars(
+        axes,
+        models,
+        {
+            "ours (fsdp2)": [relative("ours:fsdp2", model) for model in models],
+            "hand-written fully_shard loop": [relative("hand:fsdp2", model) for model in models],
+            "upstream ModelParallelStrategy": [relative("upstream:model_parallel", model) for model in models],
+        },
+        1.0,
+        "step time / fsdp2's (median, min-max)",
+    )
+    axes.set_title("fsdp2 vs upstream ModelParallelStrategy")
+
+
+def plot_overhead(summary: dict[str, Any], path: Path) -> None:
+    panels = [
+        plot
+        for plot, present in (
+            (_plot_against_hand, bool(summary["ratios"])),
+            (_plot_against_model_parallel, bool(summary.get("vs_upstream"))),
+        )
+        if present
+    ]
+    figure, axes = plt.subplots(1, max(1, len(panels)), figsize=(6 * max(1, len(panels)), 4), squeeze=False)
+    for plot, ax in zip(panels, axes[0], strict=False):
+        plot(ax, summary)
+    figure.suptitle("Step time, 2 CPU ranks")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
 
+def _against_upstream(axes: Axes, rows: dict[str, dict[str, dict[str, float]]], title: str) -> None:
+    """Per checkpoint kind (full, sharded), the ``ours`` and ``upstream`` stats of ``rows``, in ms."""
+    kinds = list(rows)
+    _bars(
+        axes,
+        kinds,
+        {
+            "ours (fsdp2)": [rows[kind]["ours"] for kind in kinds],
+            "upstream ModelParallelStrategy": [rows[kind]["upstream"] for kind in kinds],
+        },
+        1e3,
+        "ms (median, min-max)",
+    )
+    axes.set_title(title)
+
+
 def plot_save(summary: dict[str, Any], path: Path) -> None:
     strategies = list(summary)
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    upstream = summary.get("fsdp2", {}).get("vs_upstream")
+    figure, axes = plt.subplots(1, 3 if upstream else 2, figsize=(15 if upstream else 10, 4))
+    left, right = axes[0], axes[1]
+    if upstream:
+        seconds = {
+            kind: {side: row[side]["seconds"] for side in ("ours", "upstream")} for kind, row in upstream.items()
+        }
+        _against_upstream(axes[2], seconds, "Save, fsdp2 vs upstream ModelParallelStrategy")
     _bars(
         left,
         strategies,
@@ -96,7 +169,11 @@ def plot_save(summary: dict[str, Any], path: Path) -> None:
 
 def plot_resume(summary: dict[str, Any], path: Path) -> None:
     strategies = list(summary)
-    figure, axes = plt.subplots(figsize=(7, 4))
+    upstream = summary.get("fsdp2", {}).get("vs_upstream")
+    figure, panels = plt.subplots(1, 2 if upstream else 1, figsize=(12 if upstream else 7, 4), squeeze=False)
+    axes = panels[0][0]
+    if upstream:
+        _against_upstream(panels[0][1], upstream, "Resumed fit to first step, fsdp2 vs ModelParallelStrategy")
     _bars(
         axes,
         strategies,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .config import Config
+from .config import UPSTREAM_PAIRS, UPSTREAM_PEER, Config
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,8 @@ def summarize_overhead(ranks: Sequence[dict[str, Any]], config: Config, goals: l
         variants[name] = summary
     ratios: dict[str, Any] = {}
     for strategy in config.strategies:
+        if f"ours:{strategy}" not in variants:
+            continue  # the MLP did not run (``--models`` without ``mlp``)
         ours, hand, ddp = variants[f"ours:{strategy}"], variants[f"hand:{strategy}"], variants["upstream:ddp"]
         paired = [o / h for o, h in zip(ours["step_s"]["runs"], hand["step_s"]["runs"], strict=True)]
         ratios[strategy] = {
@@ -79,7 +81,47 @@ def summarize_overhead(ranks: Sequence[dict[str, Any]], config: Config, goals: l
             )
         )
         goals.append(Goal("overhead", strategy, "step time, ours / upstream ddp", ratios[strategy]["vs_ddp"], None))
-    return {"variants": variants, "ratios": ratios}
+    return {"variants": variants, "ratios": ratios, "vs_upstream": _overhead_vs_upstream(variants, goals)}
+
+
+UPSTREAM_LABEL = "upstream ModelParallelStrategy"
+
+
+def _overhead_vs_upstream(variants: dict[str, Any], goals: list[Goal]) -> dict[str, float]:
+    """``fsdp2`` against upstream's ``ModelParallelStrategy`` (MLP, GPT-2) and against its hand loop (GPT-2)."""
+
+    def median(name: str) -> float:
+        value: float = variants[name]["step_s"]["median"]
+        return value
+
+    ratios: dict[str, float] = {}
+    if "upstream:model_parallel" in variants:
+        ratios["mlp_vs_model_parallel"] = _ratio(median("ours:fsdp2"), median("upstream:model_parallel"))
+        goals.append(
+            Goal(
+                "overhead",
+                UPSTREAM_PEER,
+                f"MLP step time, ours / {UPSTREAM_LABEL}",
+                ratios["mlp_vs_model_parallel"],
+                1.0,
+            )
+        )
+    if "ours:fsdp2@gpt2" in variants:
+        ratios["gpt2_vs_hand"] = _ratio(median("ours:fsdp2@gpt2"), median("hand:fsdp2@gpt2"))
+        ratios["gpt2_vs_model_parallel"] = _ratio(median("ours:fsdp2@gpt2"), median("upstream:model_parallel@gpt2"))
+        goals.append(
+            Goal("overhead", UPSTREAM_PEER, "GPT-2 step time, Trainer / hand loop", ratios["gpt2_vs_hand"], 1.05)
+        )
+        goals.append(
+            Goal(
+                "overhead",
+                UPSTREAM_PEER,
+                f"GPT-2 step time, ours / {UPSTREAM_LABEL}",
+                ratios["gpt2_vs_model_parallel"],
+                1.0,
+            )
+        )
+    return ratios
 
 
 def summarize_save(ranks: Sequence[dict[str, Any]], config: Config, goals: list[Goal]) -> dict[str, Any]:
@@ -153,6 +195,88 @@ def summarize_save(ranks: Sequence[dict[str, Any]], config: Config, goals: list[
             )
         )
         summary[strategy] = rows
+    if "vs_upstream" in per_rank[0]:
+        summary[UPSTREAM_PEER]["vs_upstream"] = _save_vs_upstream([rank["vs_upstream"] for rank in per_rank], goals)
+    return summary
+
+
+#: Peak RSS below this counts as this much in ratios against upstream: at small sizes both sides add nothing
+#: measurable (0 / 0), and a page more on one side would be an unbounded ratio.
+RSS_FLOOR_BYTES = 1 << 20
+
+
+def _save_side(samples: Sequence[Sequence[dict[str, float]]], checkpoint_bytes: int) -> dict[str, Any]:
+    """Seconds (slowest rank per save) and the peak RSS added on rank 0 and on the other ranks, of one strategy."""
+    rss = [[sample["rss_added_bytes"] for sample in rank] for rank in samples]
+    return {
+        "seconds": stats(_max_over_ranks([[sample["seconds"] for sample in rank] for rank in samples])),
+        "rss_added_rank0_bytes": stats(rss[0]),
+        "rss_added_other_ranks_bytes": stats([value for rank in rss[1:] for value in rank]),
+        "checkpoint_bytes": checkpoint_bytes,
+    }
+
+
+def _rss_ratio(ours: float, upstream: float) -> float:
+    return _ratio(max(ours, RSS_FLOOR_BYTES), max(upstream, RSS_FLOOR_BYTES))
+
+
+def _save_vs_upstream(per_rank: Sequence[dict[str, Any]], goals: list[Goal]) -> dict[str, Any]:
+    """``fsdp2`` against upstream's ``ModelParallelStrategy``, per checkpoint kind: save time and peak RSS added."""
+    summary: dict[str, Any] = {}
+    for kind, (ours_name, upstream_name) in UPSTREAM_PAIRS.items():
+        ours, upstream = (
+            _save_side([rank["samples"][name] for rank in per_rank], per_rank[0]["checkpoint_bytes"][name])
+            for name in (ours_name, upstream_name)
+        )
+        rows: dict[str, Any] = {"strategies": [ours_name, upstream_name], "ours": ours, "upstream": upstream}
+        rows["time_ratio"] = _ratio(ours["seconds"]["median"], upstream["seconds"]["median"])
+        for where in ("rank0", "other_ranks"):
+            key = f"rss_added_{where}_bytes"
+            rows[f"rss_{where}_ratio"] = _rss_ratio(ours[key]["max"], upstream[key]["max"])
+        label = f"{kind} checkpoint"
+        goals.append(
+            Goal("save", UPSTREAM_PEER, f"{label} save time, ours / {UPSTREAM_LABEL}", rows["time_ratio"], 1.0)
+        )
+        goals.append(
+            Goal(
+                "save",
+                UPSTREAM_PEER,
+                f"{label}: peak RSS added on rank 0, ours / upstream",
+                rows["rss_rank0_ratio"],
+                1.0,
+            )
+        )
+        goals.append(
+            Goal(
+                "save",
+                UPSTREAM_PEER,
+                f"{label}: peak RSS added on rank 1, ours / upstream",
+                rows["rss_other_ranks_ratio"],
+                1.0,
+            )
+        )
+        summary[kind] = rows
+    return summary
+
+
+def _resume_vs_upstream(per_rank: Sequence[dict[str, Any]], goals: list[Goal]) -> dict[str, Any]:
+    """Resumed fit to first step, ``fsdp2`` against upstream's ``ModelParallelStrategy``, per checkpoint kind."""
+    summary: dict[str, Any] = {}
+    for kind, (ours_name, upstream_name) in UPSTREAM_PAIRS.items():
+        ours, upstream = (
+            stats(_max_over_ranks([rank[name] for rank in per_rank])) for name in (ours_name, upstream_name)
+        )
+        ratio = _ratio(ours["median"], upstream["median"])
+        summary[kind] = {"strategies": [ours_name, upstream_name], "ours": ours, "upstream": upstream, "ratio": ratio}
+        goals.append(
+            Goal(
+                "resume",
+                UPSTREAM_PEER,
+                f"{kind} checkpoint: resumed fit to first step, ours / {UPSTREAM_LABEL}",
+                ratio,
+                1.0,
+            )
+        )
     return summary
 
 
@@ -169,6 +293,8 @@ def summarize_resume(ranks: Sequence[dict[str, Any]], config: Config, goals: lis
         rows["ratio"] = _ratio(rows["resume_minus_fresh"]["median"], rows["hand"]["median"])
         goals.append(Goal("resume", strategy, "(resumed - fresh first-step latency) / hand load", rows["ratio"], 1.2))
         summary[strategy] = rows
+    if "vs_upstream" in per_rank[0]:
+        summary[UPSTREAM_PEER]["vs_upstream"] = _resume_vs_upstream([rank["vs_upstream"] for rank in per_rank], goals)
     return summary
 
 
@@ -311,6 +437,21 @@ def details_markdown(summary: dict[str, Any]) -> str:
                 f" {rss(row['hand'])} |"
             )
         parts.append("**Full checkpoint save**\n\n" + "\n".join(lines))
+        upstream_saves = summary["save"].get(UPSTREAM_PEER, {}).get("vs_upstream")
+        if upstream_saves:
+            lines = [
+                "| checkpoint | strategies (ours / upstream) | ours ms | upstream ms | MB on disk, ours / upstream"
+                " | RSS added rank 0 / rank 1 MB, ours | upstream |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for kind, row in upstream_saves.items():
+                ours, upstream = row["ours"], row["upstream"]
+                lines.append(
+                    f"| {kind} | {' / '.join(f'`{name}`' for name in row['strategies'])} | {span(ours['seconds'])} |"
+                    f" {span(upstream['seconds'])} | {ours['checkpoint_bytes'] / 1e6:.1f} /"
+                    f" {upstream['checkpoint_bytes'] / 1e6:.1f} | {rss(ours)} | {rss(upstream)} |"
+                )
+            parts.append(f"**Save against {UPSTREAM_LABEL}**\n\n" + "\n".join(lines))
     if "resume" in summary:
         lines = [
             "| strategy | fresh fit → first step ms | resumed fit → first step ms | load by hand ms |",
@@ -319,6 +460,16 @@ def details_markdown(summary: dict[str, Any]) -> str:
         for strategy, row in summary["resume"].items():
             lines.append(f"| `{strategy}` | {span(row['fresh'])} | {span(row['resume'])} | {span(row['hand'])} |")
         parts.append("**Resume**\n\n" + "\n".join(lines))
+        upstream_resumes = summary["resume"].get(UPSTREAM_PEER, {}).get("vs_upstream")
+        if upstream_resumes:
+            lines = [
+                "| checkpoint | strategies (ours / upstream) | ours: resumed fit → first step ms | upstream ms |",
+                "|---|---|---|---|",
+            ]
+            for kind, row in upstream_resumes.items():
+                names = " / ".join(f"`{name}`" for name in row["strategies"])
+                lines.append(f"| {kind} | {names} | {span(row['ours'])} | {span(row['upstream'])} |")
+            parts.append(f"**Resume against {UPSTREAM_LABEL}**\n\n" + "\n".join(lines))
     if "memory" in summary:
         lines = ["| strategy | rank 0 params / grads / optimizer MB | total MB per rank |", "|---|---|---|"]
         for strategy, row in summary["memory"].items():

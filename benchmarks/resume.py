@@ -1,4 +1,5 @@
-"""Benchmark 3: fit(ckpt_path=...) start to first step, against a fresh fit and against loading by hand."""
+"""Benchmark 3: fit(ckpt_path=...) start to first step, against a fresh fit and against loading by hand; and
+``fsdp2`` against upstream's ``ModelParallelStrategy``, each resuming its own full and sharded checkpoints."""
 
 from __future__ import annotations
 
@@ -9,22 +10,31 @@ from typing import Any
 import torch.distributed as dist
 
 from . import by_hand
-from .config import Config
-from .lightning_side import FirstStepLatency, trainer
+from .config import UPSTREAM_PEER, Config, is_model_parallel
+from .lightning_side import FirstStepLatency, strategy_for, trainer
 from .measure import barrier, release_free_memory, timed
-from .models import dataset, lightning_loader, new_model
-from .save import SAVE_STEPS, checkpoint_paths, save_checkpoints
+from .models import lightning_loader, new_model, workload
+from .save import (
+    SAVE_STEPS,
+    checkpoint_paths,
+    save_checkpoints,
+    save_once,
+    upstream_pair_names,
+    upstream_pair_path,
+)
 
 
 def _first_step_latency(config: Config, strategy: str, checkpoint: Path | None) -> float:
-    data = dataset(config.width, config.batch_size * dist.get_world_size() * SAVE_STEPS)
-    model = new_model(config.width, config.depth, seed=8)  # other weights than saved: a resume must change them
+    work = workload(config)
+    data = work.data(work.batch_size * dist.get_world_size() * SAVE_STEPS)
+    # Other weights than saved (seed 8): a resume must change them.
+    model = work.new_model(seed=8, for_model_parallel=is_model_parallel(strategy))
     release_free_memory()
     barrier()
     latency = FirstStepLatency(time.perf_counter())
     # The checkpoint was saved at the end of epoch 0; a resumed fit trains epoch 1, a fresh one epoch 0.
-    trainer(strategy, [latency], max_epochs=2 if checkpoint else 1).fit(
-        model, train_dataloaders=lightning_loader(data, config.batch_size), ckpt_path=checkpoint
+    trainer(strategy_for(strategy, model), [latency], max_epochs=2 if checkpoint else 1).fit(
+        model, train_dataloaders=lightning_loader(data, work.batch_size), ckpt_path=checkpoint
     )
     if latency.latency is None:
         raise RuntimeError(f"{strategy}: the fit ran no training step (checkpoint {checkpoint}).")
@@ -57,4 +67,22 @@ def run(config: Config, workdir: Path) -> dict[str, Any]:
                 else:
                     samples[side].append(_first_step_latency(config, strategy, ours if side == "resume" else None))
         results[strategy] = samples
+    if UPSTREAM_PEER in config.strategies:
+        results["vs_upstream"] = resume_against_upstream(config, workdir)
     return results
+
+
+def resume_against_upstream(config: Config, workdir: Path) -> dict[str, list[float]]:
+    """Resumed fit to first step for each strategy of ``save.UPSTREAM_PAIRS`` from its own checkpoint (saved by the
+    save benchmark, or here when it did not run), ``config.repeats`` times in an order that rotates each repeat."""
+    names = upstream_pair_names()
+    for name in names:
+        path = upstream_pair_path(workdir, name)
+        if not path.exists():
+            save_once(config, name, path)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for repeat in range(config.repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(_first_step_latency(config, name, upstream_pair_path(workdir, name)))
+    return samples

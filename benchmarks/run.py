@@ -1,4 +1,5 @@
-"""The benchmark command: ``python -m benchmarks [--smoke] [--out DIR] [--docs] [--only a,b] [--strategies x,y]``.
+"""The benchmark command: ``python -m benchmarks [--smoke] [--out DIR] [--docs] [--only a,b] [--strategies x,y]
+[--models mlp,gpt2]``.
 
 Starts 2 CPU ranks (gloo, one thread each), runs the benchmarks there, and writes into the output directory
 ``results.json`` (machine, versions, commit, configuration, summaries, goals and the raw samples), ``results.md`` (the
@@ -23,7 +24,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from .config import BENCHMARKS, STRATEGIES, config_for
+from .config import BENCHMARKS, MODELS, STRATEGIES, config_for
 from .launch import ROOT, WORLD_SIZE, run_workers
 from .plots import write_plots
 from .report import details_markdown, markdown_table, summarize
@@ -125,14 +126,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--docs", action="store_true", help="copy the plots and tables into docs/")
     parser.add_argument("--only", default="", help=f"comma-separated benchmarks ({','.join(BENCHMARKS)})")
     parser.add_argument("--strategies", default="", help=f"comma-separated strategies ({','.join(STRATEGIES)})")
+    parser.add_argument(
+        "--models", default="", help=f"comma-separated models of the overhead benchmark ({','.join(MODELS)})"
+    )
     parser.add_argument("--timeout", type=float, default=1200, help="seconds before the ranks are stopped")
     args = parser.parse_args(argv)
     only = tuple(name for name in args.only.split(",") if name)
     strategies = tuple(name for name in args.strategies.split(",") if name)
-    unknown = sorted(set(only) - set(BENCHMARKS)) + sorted(set(strategies) - set(STRATEGIES))
+    models = tuple(name for name in args.models.split(",") if name)
+    unknown = (
+        sorted(set(only) - set(BENCHMARKS))
+        + sorted(set(strategies) - set(STRATEGIES))
+        + sorted(set(models) - set(MODELS))
+    )
     if unknown:
-        parser.error(f"unknown benchmark or strategy name(s): {', '.join(unknown)}")
-    config = config_for(args.smoke, only or None, strategies or None)
+        parser.error(f"unknown benchmark, strategy or model name(s): {', '.join(unknown)}")
+    config = config_for(args.smoke, only or None, strategies or None, models or None)
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lightning-strategies-bench-") as workdir:

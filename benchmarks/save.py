@@ -1,7 +1,9 @@
-"""Benchmark 2: ``trainer.save_checkpoint`` against the wrapper's own gather + ``torch.save``, time and peak RSS."""
+"""Benchmark 2: ``trainer.save_checkpoint`` against the wrapper's own gather + ``torch.save``, time and peak RSS;
+and ``fsdp2`` against upstream's ``ModelParallelStrategy``, a full checkpoint and a sharded one each."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -9,10 +11,10 @@ import pytorch_lightning as pl
 import torch.distributed as dist
 
 from . import by_hand
-from .config import Config
-from .lightning_side import trainer, wrapped_by_strategy
-from .measure import timed_with_peak
-from .models import dataset, lightning_loader, new_model
+from .config import UPSTREAM_PAIRS, UPSTREAM_PEER, Config, is_model_parallel
+from .lightning_side import strategy_for, trainer, wrapped_by_strategy
+from .measure import barrier, timed_with_peak
+from .models import dataset, lightning_loader, new_model, workload
 
 SAVE_STEPS = 2  # steps before saving, so the optimizer holds state
 #: The strategy's save; the wrapper's API + torch.save (the goal's baseline); the same written atomically + fsync.
@@ -64,6 +66,75 @@ def save_checkpoints(config: Config, strategy: str, workdir: Path, repeats: int)
     return {**saver.results, "checkpoint_bytes": sizes}
 
 
+def upstream_pair_names() -> list[str]:
+    """The strategies of :data:`UPSTREAM_PAIRS`, ours before upstream's in each pair."""
+    return [name for pair in UPSTREAM_PAIRS.values() for name in pair]
+
+
+def upstream_pair_path(workdir: Path, strategy: str) -> Path:
+    """Where ``strategy`` of :data:`UPSTREAM_PAIRS` saves its checkpoint (a file or a directory)."""
+    directory = workdir / "checkpoints"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / f"pair-{strategy}.ckpt"
+
+
+def bytes_on_disk(path: Path) -> int:
+    """Size of a checkpoint file, or of every file under a checkpoint directory."""
+    if path.is_dir():
+        return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+    return path.stat().st_size
+
+
+def _remove(path: Path) -> None:
+    """Rank 0 removes an earlier checkpoint at ``path``, so every save writes a new one; all ranks wait."""
+    if dist.get_rank() == 0:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    barrier()
+
+
+class _SaveOnce(pl.Callback):
+    """At the end of the epoch saves once with ``trainer.save_checkpoint``, timed, with the peak RSS it adds."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sample: dict[str, float] = {}
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        seconds, added = timed_with_peak(lambda: trainer.save_checkpoint(self.path))
+        self.sample = {"seconds": seconds, "rss_added_bytes": float(added)}
+
+
+def save_once(config: Config, strategy: str, path: Path) -> dict[str, float]:
+    """Trains ``SAVE_STEPS`` steps of the MLP with ``strategy`` (a name of :data:`UPSTREAM_PAIRS`) and saves once."""
+    work = workload(config)
+    data = work.data(work.batch_size * dist.get_world_size() * SAVE_STEPS)
+    model = work.new_model(for_model_parallel=is_model_parallel(strategy))
+    saver = _SaveOnce(path)
+    _remove(path)
+    trainer(strategy_for(strategy, model), [saver], max_epochs=1).fit(
+        model, train_dataloaders=lightning_loader(data, work.batch_size)
+    )
+    return saver.sample
+
+
+def save_against_upstream(config: Config, workdir: Path) -> dict[str, Any]:
+    """One fit and save per strategy of :data:`UPSTREAM_PAIRS` and repeat, in an order that rotates each repeat."""
+    names = upstream_pair_names()
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for repeat in range(config.repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(save_once(config, name, upstream_pair_path(workdir, name)))
+    sizes = {name: bytes_on_disk(upstream_pair_path(workdir, name)) for name in names}
+    return {"samples": samples, "checkpoint_bytes": sizes}
+
+
 def run(config: Config, workdir: Path) -> dict[str, Any]:
-    """Save timings and peak RSS per strategy."""
-    return {strategy: save_checkpoints(config, strategy, workdir, config.repeats) for strategy in config.strategies}
+    """Save timings and peak RSS per strategy (and ``vs_upstream`` when ``fsdp2`` is compared)."""
+    results = {strategy: save_checkpoints(config, strategy, workdir, config.repeats) for strategy in config.strategies}
+    if UPSTREAM_PEER in config.strategies:
+        results["vs_upstream"] = save_against_upstream(config, workdir)
+    return results

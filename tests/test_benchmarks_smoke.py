@@ -11,9 +11,27 @@ from pathlib import Path
 from benchmarks.config import BENCHMARKS, STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
+UPSTREAM = "upstream ModelParallelStrategy"
+#: fsdp2 against upstream's ModelParallelStrategy and, on GPT-2, against its hand-written loop.
+UPSTREAM_FIGURES = {
+    ("overhead", f"MLP step time, ours / {UPSTREAM}"),
+    ("overhead", "GPT-2 step time, Trainer / hand loop"),
+    ("overhead", f"GPT-2 step time, ours / {UPSTREAM}"),
+    *(
+        figure
+        for kind in ("full", "sharded")
+        for figure in (
+            ("save", f"{kind} checkpoint save time, ours / {UPSTREAM}"),
+            ("save", f"{kind} checkpoint: peak RSS added on rank 0, ours / upstream"),
+            ("save", f"{kind} checkpoint: peak RSS added on rank 1, ours / upstream"),
+            ("resume", f"{kind} checkpoint: resumed fit to first step, ours / {UPSTREAM}"),
+        )
+    ),
+}
 
 
 def test_smoke_run_writes_every_benchmark_with_numbers_and_plots(tmp_path: Path) -> None:
+    """Every benchmark and figure, the comparisons with upstream's ``ModelParallelStrategy`` and GPT-2 included."""
     out = tmp_path / "results"
     subprocess.run(
         [sys.executable, "-m", "benchmarks", "--smoke", "--out", str(out), "--timeout", "120"],
@@ -27,6 +45,11 @@ def test_smoke_run_writes_every_benchmark_with_numbers_and_plots(tmp_path: Path)
     assert results["meta"]["versions"]["torch"] and results["meta"]["machine"]["cpu_model"]
     figures = {(goal["benchmark"], goal["strategy"]) for goal in results["goals"]}
     assert figures == {(benchmark, strategy) for benchmark in BENCHMARKS for strategy in STRATEGIES}
+    fsdp2_figures = {(goal["benchmark"], goal["figure"]) for goal in results["goals"] if goal["strategy"] == "fsdp2"}
+    assert fsdp2_figures >= UPSTREAM_FIGURES, UPSTREAM_FIGURES - fsdp2_figures
+    assert {"upstream:model_parallel", "ours:fsdp2@gpt2", "hand:fsdp2@gpt2", "upstream:model_parallel@gpt2"} <= set(
+        results["summary"]["overhead"]["variants"]
+    )
     # At the smoke size a ratio may be 0 (no memory measurably added) or negative (a resume difference within the
     # noise); it must still be a number.
     not_numbers = [goal for goal in results["goals"] if not math.isfinite(goal["value"])]
