@@ -82,3 +82,8 @@ def run_as_ranks(function: Callable[[], Any], world_size: int = 2, timeout: floa
     if failures:
         raise RuntimeError("\n".join(failures))
     return [results[rank][1] for rank in range(world_size)]
+
+
+def on_ranks(function: Callable[[], Any]) -> Any:
+    """:func:`run_as_ranks` on two ranks, returning rank 0's result: the conformance kit's ``launch``."""
+    return run_as_ranks(function)[0]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.upstream_findings import FINDINGS, Finding
+from tests.upstream_findings import FINDINGS, Finding, kit_table, run_kit
 
 PAGE = Path(__file__).parents[1] / "docs" / "upstream-findings.md"
 
@@ -26,3 +26,23 @@ def test_the_page_states_every_finding_with_its_reproduction() -> None:
     text = PAGE.read_text()
     for finding in FINDINGS:
         assert f"## {finding.title}" in text and finding.reproduction in text, finding.slug
+
+
+def _verdicts(table: str) -> dict[tuple[str, int], str]:
+    """``(check, column) -> "pass" | "FAIL" | "not reached"`` from a kit table."""
+    verdicts = {}
+    for line in table.splitlines()[2:]:
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for column, cell in enumerate(cells[1:]):
+            verdicts[(cells[0], column)] = next(
+                word for word in ("pass", "FAIL", "not reached") if cell.startswith(word)
+            )
+    return verdicts
+
+
+def test_the_conformance_kit_on_upstreams_strategies_gives_what_the_page_says(tmp_path: Path) -> None:
+    live = _verdicts(kit_table(run_kit(tmp_path)))
+    text = PAGE.read_text()
+    start = text.index("| check |")
+    published = _verdicts(text[start : text.index("\n\n", start)])
+    assert live == published

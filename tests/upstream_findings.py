@@ -26,8 +26,10 @@ from torch import Tensor, nn
 
 from lightning_strategies.checkpoint.errors import CheckpointError
 from lightning_strategies.checkpoint.sharded import open_sharded, read_dcp_files
+from lightning_strategies.testing import ConformanceReport, check_strategy
 from lightning_strategies.testing.models import FEATURES, OUTPUTS
 from tests.helpers import canonical_checkpoint
+from tests.ranks import on_ranks
 from tests.upstream_runs import OURS_SHARDED, FSDPStrategyOnCPU, ShardedByUser, fit, upstream
 
 PYTORCH_LIGHTNING = pl.__version__
@@ -246,6 +248,45 @@ FINDINGS = [
 ]
 
 
+#: Upstream's strategies through the conformance kit, as users configure them (ranks started from outside).
+KIT_STRATEGIES: dict[str, Callable[[], Any]] = {
+    "ModelParallelStrategy (default: DCP directories)": upstream(True),
+    "ModelParallelStrategy(save_distributed_checkpoint=False)": upstream(False),
+    "FSDPStrategy(state_dict_type='sharded'), CPU fixes": lambda: FSDPStrategyOnCPU(state_dict_type="sharded"),
+}
+
+
+def run_kit(root: Path) -> dict[str, ConformanceReport]:
+    """The conformance kit's report for each of :data:`KIT_STRATEGIES`."""
+    return {
+        label: check_strategy(factory, root / f"kit-{index}", model_class=ShardedByUser, launch=on_ranks)
+        for index, (label, factory) in enumerate(KIT_STRATEGIES.items())
+    }
+
+
+def kit_table(reports: dict[str, ConformanceReport]) -> str:
+    """One row per check, one column per strategy: pass, or what failed."""
+    checks = list(dict.fromkeys(result.name for report in reports.values() for result in report.results))
+    # Some checks record only a failure: one without an entry before the last check a report reached passed.
+    reached = {
+        label: max((checks.index(result.name) for result in report.results), default=-1)
+        for label, report in reports.items()
+    }
+    lines = ["| check | " + " | ".join(reports) + " |", "|---|" + "---|" * len(reports)]
+    for position, check in enumerate(checks):
+        cells = []
+        for label, report in reports.items():
+            found = [result for result in report.results if result.name == check]
+            if found:
+                cell = "pass" if found[0].passed else f"FAIL: {found[0].detail}"
+            else:
+                cell = "pass" if position < reached[label] else "not reached"
+            cell = re.sub(r"'/[^']*/(kit-\d+/)?", "'.../", cell)  # temporary directories
+            cells.append(cell.replace("|", "/").replace("\n", " ")[:300])
+        lines.append(f"| `{check}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def run_findings(root: Path) -> dict[str, Observation]:
     """Runs every reproduction in its own directory under ``root``."""
     results = {}
@@ -256,7 +297,7 @@ def run_findings(root: Path) -> dict[str, Observation]:
     return results
 
 
-def page(results: dict[str, Observation]) -> str:
+def page(results: dict[str, Observation], reports: dict[str, ConformanceReport]) -> str:
     """The docs page: each finding with its contract point, reproduction and what upstream and ours did."""
     lines = [
         "# Upstream findings",
@@ -270,6 +311,22 @@ def page(results: dict[str, Observation]) -> str:
         "What upstream keeps, measured in `tests/test_upstream_interop.py`: its `ModelParallelStrategy` and",
         "`FSDPStrategy` checkpoints resume exactly under our strategies, and it resumes our full files and our `fsdp2`",
         "directories.",
+        "",
+    ]
+    lines += [
+        "## The conformance kit on upstream's strategies",
+        "",
+        "`lightning_strategies.testing.check_strategy` (the checks every strategy of this package passes) with",
+        "ranks started from outside (`launch=`; upstream's strategies launch only by running the script again).",
+        "A check that could not run because an earlier one failed says *not reached*.",
+        "",
+        kit_table(reports),
+        "",
+        "With full files `ModelParallelStrategy` keeps every point the kit checks, on a model whose param groups list",
+        "parameters in the module's order (the first finding below is what other orders do). Its default save, and",
+        "`FSDPStrategy`'s sharded one, are directories that `torch.load`, `load_from_checkpoint` and `ddp` cannot",
+        "read; `lightning-strategies consolidate` makes the full file of either, and every strategy of this package",
+        "resumes them directly (`tests/test_upstream_interop.py`).",
         "",
     ]
     for finding in FINDINGS:
@@ -292,7 +349,8 @@ def main(argv: list[str] | None = None) -> None:
     arguments = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as directory:
         results = run_findings(Path(directory))
-    arguments.out.write_text(page(results))
+        reports = run_kit(Path(directory))
+    arguments.out.write_text(page(results, reports))
     print(f"Wrote {arguments.out}: {len(results)} findings.")
 
 

@@ -37,7 +37,9 @@ class ShardedByUser(ConformanceModel):
     CPU device, see above). Our strategies shard it themselves."""
 
     def configure_model(self) -> None:
-        strategy = self.trainer.strategy
+        if self._trainer is None:  # load_from_checkpoint builds a plain module
+            return
+        strategy = self._trainer.strategy
         if isinstance(strategy, ModelParallelStrategy):
             mesh = strategy.device_mesh["data_parallel"]
             for layer in (self.encoder, self.head):

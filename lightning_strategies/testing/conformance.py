@@ -5,7 +5,9 @@ checkpoint after each), resumes a second run from the first checkpoint, and runs
 one. Every check compares against plain PyTorch on the unwrapped module in this process, with no process group, so
 it knows nothing of the strategy's internals. Strategies are given as factories because each Trainer run needs a
 fresh strategy object; use the fork or spawn variant of a multi-process strategy (the kit runs inside one Python
-process and cannot relaunch its script).
+process and cannot relaunch its script). A strategy that has no such launcher (upstream's ``ModelParallelStrategy``
+only runs the script again per rank) is checked with ``launch=``: a function that runs the kit's training on every
+rank started from outside (as ``torchrun`` would) and returns rank 0's result.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from .models import ConformanceModel, OptimizerName, make_dataset, probe_input
 from .state import max_state_difference
 
 StrategyFactory = Callable[[], Strategy | str]
+#: Runs a function on every rank of a run launched from outside (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` set, e.g.
+#: forked processes) and returns what it returned on rank 0.
+Launch = Callable[[Callable[[], Any]], Any]
 
 ATOL = 1e-6  # same data, same order of operations: only float re-association differs
 RESUME_ATOL = 1e-5
@@ -154,7 +159,9 @@ class _Kit:
         model_class: type[ConformanceModel],
         atol: float,
         accelerator: str,
+        launch: Launch | None = None,
     ) -> None:
+        self.launch = launch
         self.factory = factory
         self.workdir = workdir
         self.devices = devices
@@ -176,16 +183,21 @@ class _Kit:
             self.report.add(name, False, f"raised {_describe(error)}")
             return None
 
+    def in_ranks(self, action: Callable[[], Any]) -> Any:
+        """``action()`` here (the strategy launches its ranks), or on every rank through ``launch`` (rank 0's)."""
+        return action() if self.launch is None else self.launch(action)
+
     def fit(self, name: str, root: Path, ckpt_path: Path | None = None) -> ConformanceModel | None:
+        """Trains two epochs; returns this process's module (a fresh one when the ranks ran elsewhere), or ``None``."""
         root.mkdir(parents=True, exist_ok=True)
         model = self.model(root)
-        trainer = _trainer(self.factory, self.devices, root, 2, self.accelerator)
 
         def train() -> bool:
-            trainer.fit(model, ckpt_path=ckpt_path)
+            trained = model if self.launch is None else self.model(root)
+            _trainer(self.factory, self.devices, root, 2, self.accelerator).fit(trained, ckpt_path=ckpt_path)
             return True
 
-        return model if self.run(name, train) else None
+        return model if self.run(name, lambda: self.in_ranks(train)) else None
 
     # -- checks on one training run ---------------------------------------------------------------------------
 
@@ -373,9 +385,12 @@ class _Kit:
         data = make_dataset(2 * plain.batch_size, seed=99)
         with torch.no_grad():
             expected_loss = float(nn.functional.mse_loss(plain(data.tensors[0]), data.tensors[1]))
-        model = self.model(root)
-        trainer = _trainer(self.factory, self.devices, root, 1, self.accelerator)
-        results = self.run("validate", lambda: trainer.validate(model, ckpt_path=checkpoint_path, verbose=False))
+
+        def validate() -> Any:
+            trainer = _trainer(self.factory, self.devices, root, 1, self.accelerator)
+            return trainer.validate(self.model(root), ckpt_path=checkpoint_path, verbose=False)
+
+        results = self.run("validate", lambda: self.in_ranks(validate))
         if results is not None:
             got = float(results[0]["val_loss"])
             self.report.add(
@@ -383,15 +398,14 @@ class _Kit:
                 abs(got - expected_loss) <= max(self.atol, RESUME_ATOL),
                 f"val_loss {got:.6f}, plain module on the same data {expected_loss:.6f}",
             )
-        model = self.model(root)
-        model.load_state_dict(plain.state_dict())
-        trainer = _trainer(self.factory, self.devices, root, 1, self.accelerator)
 
         def predict() -> bool:
-            trainer.predict(model, return_predictions=False)
+            model = self.model(root)
+            model.load_state_dict(plain.state_dict())
+            _trainer(self.factory, self.devices, root, 1, self.accelerator).predict(model, return_predictions=False)
             return True
 
-        if self.run("predict", predict) is None:
+        if self.run("predict", lambda: self.in_ranks(predict)) is None:
             return
         inputs = make_dataset(2 * plain.batch_size, seed=97).tensors[0]
         problems = []
@@ -422,6 +436,7 @@ def check_strategy(
     model_class: type[ConformanceModel] = ConformanceModel,
     atol: float = ATOL,
     accelerator: str = "cpu",
+    launch: Launch | None = None,
 ) -> ConformanceReport:
     """Checks a strategy against the direct-reference contract and returns a report (it never raises on failure).
 
@@ -436,11 +451,14 @@ def check_strategy(
         atol: Tolerance between what the ranks computed and what the checkpoint's weights compute in plain float32
             (raise it for strategies that compute in lower precision).
         accelerator: ``"cpu"`` (the default: gloo) or ``"gpu"`` (NCCL) for a check on a GPU machine.
+        launch: For a strategy without a fork or spawn launcher: runs a function on every rank started from outside
+            and returns rank 0's result. The check that the calling process's module holds the trained weights is
+            then left out (the ranks' modules live in their own processes).
 
     Returns:
         The report; ``report.passed`` tells whether the strategy conforms, ``str(report)`` shows every check.
     """
-    kit = _Kit(strategy_factory, Path(workdir), devices, optimizer, model_class, atol, accelerator)
+    kit = _Kit(strategy_factory, Path(workdir), devices, optimizer, model_class, atol, accelerator, launch)
     first = kit.workdir / "uninterrupted"
     model = kit.fit("fit", first)
     if model is None:
@@ -451,7 +469,8 @@ def check_strategy(
     if checkpoint is None or not final_path.exists():
         return kit.report
     final = torch.load(final_path, map_location="cpu", weights_only=True)
-    kit.check_parent_weights(model, final)
+    if launch is None:
+        kit.check_parent_weights(model, final)
     kit.check_resume(first, final)
     kit.check_evaluation(final_path, final["state_dict"])
     return kit.report
@@ -466,6 +485,7 @@ def assert_strategy_conforms(
     model_class: type[ConformanceModel] = ConformanceModel,
     atol: float = ATOL,
     accelerator: str = "cpu",
+    launch: Launch | None = None,
 ) -> ConformanceReport:
     """Like :func:`check_strategy`, but raises :class:`ConformanceError` (an ``AssertionError``) on any failure.
 
@@ -479,6 +499,7 @@ def assert_strategy_conforms(
         model_class: The model to train (see :func:`check_strategy`).
         atol: Tolerance for lower-precision strategies (see :func:`check_strategy`).
         accelerator: ``"cpu"`` or ``"gpu"`` (see :func:`check_strategy`).
+        launch: For strategies without a fork or spawn launcher (see :func:`check_strategy`).
 
     Returns:
         The report of a conforming strategy.
@@ -494,6 +515,7 @@ def assert_strategy_conforms(
         model_class=model_class,
         atol=atol,
         accelerator=accelerator,
+        launch=launch,
     )
     report.raise_for_failures()
     return report
