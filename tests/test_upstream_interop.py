@@ -29,6 +29,7 @@ from tests.upstream_runs import (
     OURS,
     OURS_SHARDED,
     FSDPStrategyOnCPU,
+    GPT2ShardedByUser,
     NoDecayGroups,
     ShardedByUser,
     assert_continues,
@@ -181,3 +182,24 @@ def test_consolidate_turns_upstreams_directory_into_the_full_file_upstream_would
     assert full["global_step"] == torch.load(saves["upstream-full"], weights_only=True)["global_step"]
     if form == "upstream-sharded":  # the same run saved both ways: the same state
         assert_same_checkpoint_state(saves["upstream-full"], out)
+
+
+# ---------------------------------------------------------------------------------------------- a real architecture
+
+
+@pytest.fixture(scope="module")
+def gpt2_saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Upstream's uninterrupted GPT-2 run, saving its default DCP directory after each epoch."""
+    root = tmp_path_factory.mktemp("gpt2")
+    losses = fit(upstream(True), root, model_class=GPT2ShardedByUser)
+    return {"losses": losses, "sharded": root / "epoch=0.ckpt"}
+
+
+@pytest.mark.parametrize("ours", list(OURS))
+def test_each_of_our_strategies_resumes_upstreams_gpt2_with_the_usual_recipe_exactly(
+    tmp_path: Path, gpt2_saves: dict[str, Any], ours: str
+) -> None:
+    # Tied wte/lm_head, AdamW with no-decay groups (not in module order), a warmup schedule.
+    losses = fit(OURS[ours], tmp_path, ckpt_path=gpt2_saves["sharded"], model_class=GPT2ShardedByUser)
+    assert_same_checkpoint_state(gpt2_saves["sharded"], tmp_path / "restored.ckpt")
+    assert_continues(gpt2_saves["losses"], losses)

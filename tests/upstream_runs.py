@@ -22,6 +22,7 @@ from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy
 from lightning_strategies.testing.models import ConformanceModel
 from lightning_strategies.testing.state import SaveAfterRestore
 from tests.ranks import run_as_ranks
+from tests.zoo.models import GPT2Module
 
 EPOCHS = 2
 LOSS_RTOL = 1e-5
@@ -62,6 +63,35 @@ class NoDecayGroups(ShardedByUser):
         return torch.optim.AdamW(groups, lr=0.02)
 
 
+#: Builds the LightningModule of a run (on every rank, after seeding).
+ModelClass = Callable[[], pl.LightningModule]
+
+
+class _Losses(pl.Callback):
+    """Every training step's loss on this rank."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        self.values.append(float(outputs["loss"]))
+
+
+class GPT2ShardedByUser(GPT2Module):
+    """The zoo's GPT-2 recipe (tied ``wte``/``lm_head``, AdamW with no-decay groups, linear warmup), sharded as
+    upstream's users shard it under ``ModelParallelStrategy``: ``fully_shard`` per ``GPT2Block``, then the root."""
+
+    def configure_model(self) -> None:
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, ModelParallelStrategy):
+            from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+            mesh = strategy.device_mesh["data_parallel"]
+            for block in [module for module in self.model.modules() if isinstance(module, GPT2Block)]:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+
 def upstream(distributed: bool) -> Callable[[], Any]:
     return lambda: ModelParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=distributed
@@ -82,12 +112,13 @@ OURS_SHARDED: dict[str, Callable[[], Any]] = {
 
 
 def _fit(
-    strategy: Callable[[], Any], root: Path, epochs: int, ckpt_path: Path | None, model_class: type[ShardedByUser]
+    strategy: Callable[[], Any], root: Path, epochs: int, ckpt_path: Path | None, model_class: ModelClass
 ) -> list[float]:
     """Runs on every rank: trains, saving at each epoch's end (and right after a resume's restore)."""
     pl.seed_everything(7, verbose=False)
     model = model_class()
-    callbacks: list[pl.Callback] = [ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1)]
+    losses = _Losses()
+    callbacks: list[pl.Callback] = [ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1), losses]
     if ckpt_path is not None:
         callbacks.append(SaveAfterRestore(root / "restored.ckpt"))
     trainer = pl.Trainer(
@@ -103,7 +134,7 @@ def _fit(
         callbacks=callbacks,
     )
     trainer.fit(model, ckpt_path=ckpt_path)
-    return list(model.train_losses)
+    return losses.values
 
 
 def fit(
@@ -111,7 +142,7 @@ def fit(
     root: Path,
     epochs: int = EPOCHS,
     ckpt_path: Path | None = None,
-    model_class: type[ShardedByUser] = ShardedByUser,
+    model_class: ModelClass = ShardedByUser,
 ) -> list[float]:
     """Rank 0's losses of a fit on two forked ranks."""
     return run_as_ranks(lambda: _fit(strategy, root, epochs, ckpt_path, model_class))[0]

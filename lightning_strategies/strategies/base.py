@@ -41,6 +41,7 @@ from lightning_strategies.checkpoint.consolidation import consolidate
 from lightning_strategies.checkpoint.errors import CheckpointFormatError
 from lightning_strategies.checkpoint.optimizer_state import numbered_through_groups
 from lightning_strategies.checkpoint.sharded import (
+    ShardedCheckpoint,
     new_save_id,
     open_sharded,
     remove_stale_saves,
@@ -630,13 +631,7 @@ class DirectReferenceStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         directory = sharded_directory(checkpoint_path)
         if directory is not None:
-            # A sharded directory this strategy does not read natively (another strategy's, upstream Lightning's):
-            # every rank builds the full canonical state in memory, as `lightning-strategies consolidate` would.
-            sharded = open_sharded(directory)
-            self._checkpoint_source = (
-                f"{sharded.source} (written by {sharded.metadata.strategy} at world size {sharded.world_size})"
-            )
-            return consolidate(sharded).checkpoint
+            return self._load_consolidated(open_sharded(directory))
         # Checkpoints never run code when loaded: weights_only is always True.
         self._checkpoint_source = f"Checkpoint {str(checkpoint_path)!r}"
         checkpoint = read_checkpoint(
@@ -647,6 +642,14 @@ class DirectReferenceStrategy(ParallelStrategy):
         if isinstance(states, list):  # upstream's full files number parameters in the module's order
             checkpoint["optimizer_states"] = [numbered_through_groups(state) for state in states]
         return checkpoint
+
+    def _load_consolidated(self, sharded: ShardedCheckpoint) -> dict[str, Any]:
+        """A sharded directory this strategy does not read in place (another strategy's, upstream Lightning's):
+        every rank builds the full canonical checkpoint in memory, as ``lightning-strategies consolidate`` would."""
+        self._checkpoint_source = (
+            f"{sharded.source} (written by {sharded.metadata.strategy} at world size {sharded.world_size})"
+        )
+        return consolidate(sharded).checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

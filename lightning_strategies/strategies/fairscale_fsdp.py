@@ -679,7 +679,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         if not native or metadata.world_size != self.world_size:
             # Rank files hold flat shards of this world size only; anything else is read whole (consolidated).
             self._loaded_sharded = False
-            return super().load_checkpoint(checkpoint_path, weights_only)
+            return self._load_consolidated(sharded)
         self._checkpoint_source = source
         rank_file_paths(sharded)  # every rank's file is there: a missing one is named on every rank
         shard = read_rank_file(sharded, self.global_rank)

@@ -430,7 +430,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         self._checkpoint_source = sharded.source
         if sharded.format != "torch.distributed.checkpoint":  # another strategy's layout: read whole, loaded as full
             self._sharded_checkpoint = None
-            return super().load_checkpoint(checkpoint_path, weights_only)
+            return self._load_consolidated(sharded)
         # .metadata read without running code; every .distcp file there, whole, and of this save.
         self._sharded_checkpoint = (sharded, read_dcp_files(sharded))
         # Lightning checks that optimizer states exist before asking the strategy to load them.
