@@ -14,6 +14,7 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from torch import nn
 
 from lightning_strategies import fairscale_cpu
+from lightning_strategies.strategies.fairscale_wrap import forget_stale_fairscale_groups
 
 Scenario = Callable[[], Any]
 
@@ -65,6 +66,9 @@ def _adam_state_gather() -> bool:
 def _worker(rank: int, port: int, scenario: Scenario, skip: frozenset[str], pin: bool, results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    # A worker forked from a process that ran fairscale FSDP before inherits fairscale's cache of process groups of
+    # a group that no longer exists (as the strategy's own runs would, which drop it the same way).
+    forget_stale_fairscale_groups()
     try:
         with fairscale_cpu.fairscale_cpu_support(pin_memory=pin, skip=skip):
             outcome = scenario()
