@@ -79,7 +79,8 @@ class _Losses(pl.Callback):
 
 class GPT2ShardedByUser(GPT2Module):
     """The zoo's GPT-2 recipe (tied ``wte``/``lm_head``, AdamW with no-decay groups, linear warmup), sharded as
-    upstream's users shard it under ``ModelParallelStrategy``: ``fully_shard`` per ``GPT2Block``, then the root."""
+    upstream's users shard it under ``ModelParallelStrategy``: ``fully_shard`` per ``GPT2Block``, then the Hugging Face
+    model."""
 
     def configure_model(self) -> None:
         strategy = self._trainer.strategy if self._trainer is not None else None
@@ -89,7 +90,7 @@ class GPT2ShardedByUser(GPT2Module):
             mesh = strategy.device_mesh["data_parallel"]
             for block in [module for module in self.model.modules() if isinstance(module, GPT2Block)]:
                 fully_shard(block, mesh=mesh)
-            fully_shard(self, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)  # the module the steps call (`self.model(**batch)`)
 
 
 def upstream(distributed: bool) -> Callable[[], Any]:
