@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.upstream_findings import FINDINGS, Finding, kit_table, run_kit
+from tests.upstream_findings import FINDINGS, Finding, kit_table, run_kit, run_upstream_matrix
 
 PAGE = Path(__file__).parents[1] / "docs" / "upstream-findings.md"
 
@@ -46,3 +46,17 @@ def test_the_conformance_kit_on_upstreams_strategies_gives_what_the_page_says(tm
     start = text.index("| check |")
     published = _verdicts(text[start : text.index("\n\n", start)])
     assert live == published
+
+
+def test_the_resume_matrix_with_upstreams_strategies_fails_only_on_betas_under_upstream_as_the_page_says(
+    tmp_path: Path,
+) -> None:
+    matrix = run_upstream_matrix(tmp_path)
+    assert len(matrix.cells) == 25
+    failed = {(cell.saved_by, cell.resumed_by) for cell in matrix.failures}
+    assert failed == {(row, "ModelParallelStrategy") for row in matrix.rows}, matrix.table()
+    assert all("'betas'" in problem for cell in matrix.failures for problem in cell.problems), matrix.table()
+    table = matrix.table()
+    text = PAGE.read_text()
+    start = text.index(table.splitlines()[0])
+    assert _verdicts(table) == _verdicts(text[start : text.index("\n\n", start)])

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from lightning_strategies.checkpoint.errors import CheckpointError
 from lightning_strategies.checkpoint.sharded import open_sharded, read_dcp_files
 from lightning_strategies.testing import ConformanceReport, check_strategy
+from lightning_strategies.testing.matrix import Matrix, MatrixStrategy, run_matrix
 from lightning_strategies.testing.models import FEATURES, OUTPUTS
 from tests.helpers import canonical_checkpoint
 from tests.ranks import on_ranks
@@ -287,6 +288,22 @@ def kit_table(reports: dict[str, ConformanceReport]) -> str:
     return "\n".join(lines)
 
 
+def upstream_matrix_strategies() -> list[MatrixStrategy]:
+    """Upstream's ``ddp`` and ``ModelParallelStrategy`` (full files: the matrix reads files) beside ours."""
+    return [
+        MatrixStrategy("ddp", lambda: "ddp_fork"),
+        MatrixStrategy("ModelParallelStrategy", upstream(False), launch=on_ranks),
+        MatrixStrategy("ddp_sharded", lambda: "ddp_sharded_fork"),
+        MatrixStrategy("fsdp_fairscale", lambda: "fsdp_fairscale_fork"),
+        MatrixStrategy("fsdp2", lambda: "fsdp2_fork"),
+    ]
+
+
+def run_upstream_matrix(root: Path) -> Matrix:
+    """The resume matrix over :func:`upstream_matrix_strategies` (every pair, both ways)."""
+    return run_matrix(upstream_matrix_strategies(), root / "matrix", model_class=ShardedByUser)
+
+
 def run_findings(root: Path) -> dict[str, Observation]:
     """Runs every reproduction in its own directory under ``root``."""
     results = {}
@@ -297,7 +314,7 @@ def run_findings(root: Path) -> dict[str, Observation]:
     return results
 
 
-def page(results: dict[str, Observation], reports: dict[str, ConformanceReport]) -> str:
+def page(results: dict[str, Observation], reports: dict[str, ConformanceReport], matrix: Matrix) -> str:
     """The docs page: each finding with its contract point, reproduction and what upstream and ours did."""
     lines = [
         "# Upstream findings",
@@ -328,6 +345,19 @@ def page(results: dict[str, Observation], reports: dict[str, ConformanceReport])
         "read; `lightning-strategies consolidate` makes the full file of either, and every strategy of this package",
         "resumes them directly (`tests/test_upstream_interop.py`).",
         "",
+        "## The resume matrix with upstream's strategies",
+        "",
+        "`lightning_strategies.testing.matrix.run_matrix`: each row saves after the first of two epochs, each column",
+        "resumes that checkpoint and trains on; a cell passes when the restore is exact and the final weights equal",
+        "the row's uninterrupted run (the conformance model, whose param groups are in the module's order).",
+        "",
+        re.sub(r"\(world size[^)]*\)", "", matrix.table()),
+        "",
+        "Every resume under `ModelParallelStrategy` restores Adam's `betas` as a list where the checkpoint holds a",
+        "tuple: torch's `set_optimizer_state_dict` re-packs hyper-parameters, and upstream keeps what it returns. The",
+        "values are equal and training continues exactly, but the state is not the one saved (`fsdp2` sets the",
+        "hyper-parameters back as saved). Everything else crosses exactly, both ways.",
+        "",
     ]
     for finding in FINDINGS:
         observed = results[finding.slug]
@@ -350,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as directory:
         results = run_findings(Path(directory))
         reports = run_kit(Path(directory))
-    arguments.out.write_text(page(results, reports))
+        matrix = run_upstream_matrix(Path(directory))
+    arguments.out.write_text(page(results, reports, matrix))
     print(f"Wrote {arguments.out}: {len(results)} findings.")
 
 

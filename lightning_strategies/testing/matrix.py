@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .._lightning import ModelCheckpoint, pl
-from .conformance import StrategyFactory
+from .conformance import Launch, StrategyFactory
 from .models import ConformanceModel, OptimizerName
 from .state import SaveAfterRestore, max_state_difference
 
@@ -46,12 +46,15 @@ class MatrixStrategy:
             processes.
         devices: Number of CPU processes it runs on.
         precision: The Trainer's ``precision`` (``"32-true"``, ``"bf16-mixed"``, ...).
+        launch: For a strategy without a fork or spawn launcher: runs a function on its ranks started from outside
+            and returns rank 0's result (see :func:`~lightning_strategies.testing.check_strategy`).
     """
 
     label: str
     factory: StrategyFactory
     devices: int = 2
     precision: str = "32-true"
+    launch: Launch | None = None
 
 
 @dataclass
@@ -119,9 +122,22 @@ def _trainer(strategy: MatrixStrategy, root: Path, callbacks: Sequence[pl.Callba
     )
 
 
-def _model(optimizer: OptimizerName) -> ConformanceModel:
-    pl.seed_everything(7, verbose=False)
-    return ConformanceModel(optimizer=optimizer)
+def _fit(
+    strategy: MatrixStrategy,
+    root: Path,
+    model_class: type[ConformanceModel],
+    optimizer: OptimizerName,
+    callbacks: Sequence[pl.Callback] = (),
+    ckpt_path: Path | None = None,
+) -> None:
+    def train() -> None:
+        pl.seed_everything(7, verbose=False)
+        _trainer(strategy, root, callbacks).fit(model_class(optimizer=optimizer), ckpt_path=ckpt_path)
+
+    if strategy.launch is None:
+        train()
+    else:
+        strategy.launch(train)
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -162,14 +178,14 @@ def _optimizer_differences(saved: dict[str, Any], restored: dict[str, Any]) -> l
     return problems[:4]
 
 
-def _row_problems(path: Path) -> list[str]:
+def _row_problems(path: Path, model_class: type[ConformanceModel]) -> list[str]:
     problems = []
     try:
         _load(path)
     except Exception as error:
         problems.append(f"torch.load(weights_only=True): {type(error).__name__}")
     try:
-        ConformanceModel.load_from_checkpoint(path, strict=True, weights_only=True)
+        model_class.load_from_checkpoint(path, strict=True, weights_only=True)
     except Exception as error:
         problems.append(f"load_from_checkpoint(strict=True): {str(error).splitlines()[0][:120]}")
     return problems
@@ -181,6 +197,7 @@ def run_matrix(
     *,
     optimizer: OptimizerName = "adam",
     rows: Sequence[MatrixStrategy] | None = None,
+    model_class: type[ConformanceModel] = ConformanceModel,
 ) -> Matrix:
     """Runs every (saved by, resumed by) pair and returns the matrix; it never raises on a failed cell.
 
@@ -189,6 +206,8 @@ def run_matrix(
         workdir: An empty directory for the runs' checkpoints.
         optimizer: ``"adam"`` or ``"sgd"`` (with momentum); the model has two param groups and an LR scheduler.
         rows: Strategies that save, if not all of ``strategies`` (e.g. a broken one under test).
+        model_class: :class:`ConformanceModel` or a subclass that keeps its constructor (e.g. one that shards itself in
+            ``configure_model`` for a strategy that requires it).
 
     Returns:
         The matrix; ``matrix.failures`` lists the failed cells, ``matrix.table()`` renders it.
@@ -200,7 +219,7 @@ def run_matrix(
     for saver in savers:
         row_dir = root / saver.label
         try:
-            _trainer(saver, row_dir / "uninterrupted", []).fit(_model(optimizer))
+            _fit(saver, row_dir / "uninterrupted", model_class, optimizer)
         except Exception as error:
             for resumer in strategies:
                 matrix.cells[(saver.label, resumer.label)] = Cell(
@@ -208,16 +227,21 @@ def run_matrix(
                 )
             continue
         saved_path = row_dir / "uninterrupted" / "epoch=0.ckpt"
-        matrix.row_problems[saver.label] = _row_problems(saved_path)
-        saved, uninterrupted = _load(saved_path), _load(row_dir / "uninterrupted" / "epoch=1.ckpt")
+        matrix.row_problems[saver.label] = _row_problems(saved_path, model_class)
+        try:
+            saved, uninterrupted = _load(saved_path), _load(row_dir / "uninterrupted" / "epoch=1.ckpt")
+        except Exception as error:  # a directory, or no file at all: nothing to compare the resumes with
+            for resumer in strategies:
+                problem = f"its checkpoint is not a file torch.load reads ({type(error).__name__})"
+                matrix.cells[(saver.label, resumer.label)] = Cell(saver.label, resumer.label, [problem])
+            continue
         for resumer in strategies:
             cell = Cell(saver.label, resumer.label)
             matrix.cells[(saver.label, resumer.label)] = cell
             cell_dir = row_dir / f"resumed-by-{resumer.label}"
             restored_path = cell_dir / "restored.ckpt"
             try:
-                trainer = _trainer(resumer, cell_dir, [SaveAfterRestore(restored_path)])
-                trainer.fit(_model(optimizer), ckpt_path=saved_path)
+                _fit(resumer, cell_dir, model_class, optimizer, [SaveAfterRestore(restored_path)], saved_path)
             except Exception as error:
                 cell.problems.append(f"resume raised {str(error).strip().splitlines()[-1][:200]}")
                 continue
@@ -235,7 +259,7 @@ def run_matrix(
                     f" checkpoint saved at the end of epoch {saved['epoch']}, step {saved['global_step']}"
                 )
             cell.problems += [
-                f"its final checkpoint: {problem}" for problem in _row_problems(cell_dir / "epoch=1.ckpt")
+                f"its final checkpoint: {problem}" for problem in _row_problems(cell_dir / "epoch=1.ckpt", model_class)
             ]
             if saver.devices != resumer.devices:
                 cell.notes.append(f"world size {saver.devices}->{resumer.devices}: restore checked, not the math")
