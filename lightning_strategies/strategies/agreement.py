@@ -98,12 +98,7 @@ def _gather_from_every_rank(value: Any) -> list[Any] | None:
 
 
 def require_agreement(values: Mapping[str, Any], what: str, fix: str) -> None:
-    """Checks that every rank passes the same ``values`` (a collective: every rank must call it).
-
-    Args:
-        values: This rank's values, by name.
-        what: What they are, for the error message.
-        fix: How to make them agree, for the error message.
+    """What ``DirectReferenceStrategy.require_agreement`` does (see there), for the default process group.
 
     Raises:
         RanksDisagreeError: On every rank, naming each value that differs from rank 0's and the ranks involved.
