@@ -89,7 +89,8 @@ def test_upstream_resumes_our_fsdp2_sharded_directory_exactly(tmp_path: Path, sa
 
 
 def test_our_fairscale_rank_files_reach_upstream_through_consolidate(tmp_path: Path, saves: dict[str, Any]) -> None:
-    with pytest.raises(RuntimeError):  # upstream reads only torch.distributed.checkpoint directories
+    # Upstream reads only torch.distributed.checkpoint directories: it looks for a `.metadata` that is not there.
+    with pytest.raises(RuntimeError, match=r"No such file or directory: .*\.metadata"):
         fit(upstream(False), tmp_path / "direct", ckpt_path=saves["fsdp_fairscale-sharded"])
     consolidated = tmp_path / "consolidated.ckpt"
     consolidate_checkpoint(saves["fsdp_fairscale-sharded"], consolidated, show_progress=False)
@@ -203,3 +204,14 @@ def test_each_of_our_strategies_resumes_upstreams_gpt2_with_the_usual_recipe_exa
     losses = fit(OURS[ours], tmp_path, ckpt_path=gpt2_saves["sharded"], model_class=GPT2ShardedByUser)
     assert_same_checkpoint_state(gpt2_saves["sharded"], tmp_path / "restored.ckpt")
     assert_continues(gpt2_saves["losses"], losses)
+
+
+@pytest.mark.parametrize("form", list(OURS_SHARDED))
+@pytest.mark.parametrize("ours", list(OURS))
+def test_each_of_our_strategies_resumes_each_of_our_sharded_directories_exactly(
+    tmp_path: Path, saves: dict[str, Any], ours: str, form: str
+) -> None:
+    # In place where the strategy reads the layout (fsdp2's DCP, fsdp_fairscale's own rank files), read whole elsewhere.
+    losses = fit(OURS[ours], tmp_path, ckpt_path=saves[form])
+    assert_same_checkpoint_state(saves[form], tmp_path / "restored.ckpt")
+    assert_continues(saves["losses"], losses)
