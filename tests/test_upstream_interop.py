@@ -7,9 +7,7 @@ files; upstream resumes our full files and our ``fsdp2`` directories; our ``fsdp
 through ``consolidate``. Every resume restores what was saved exactly and continues the uninterrupted run (losses at
 1e-5).
 
-``FSDPStrategy`` runs with the CPU fixes of ``tests/upstream_runs.py``. Its full state dict crashes torch's FSDP1 on
-the CPU (a segfault in its state-dict hook), so its full file is built here with the API upstream writes it with
-(``FSDP.rekey_optim_state_dict`` to parameter ids), from a canonical file.
+``FSDPStrategy`` runs with the CPU fixes of ``tests/upstream_runs.py`` (without them its full save segfaults).
 """
 
 from __future__ import annotations
@@ -19,9 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
 
-from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed
 from lightning_strategies.cli.consolidate import consolidate_checkpoint
 from lightning_strategies.cli.inspection import inspect_path
 from tests.helpers import assert_same_checkpoint_state
@@ -49,21 +45,23 @@ def saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for name, strategy in {**OURS, **OURS_SHARDED}.items():
         fit(strategy, root / name, epochs=1)
         found[name] = root / name / "epoch=0.ckpt"
-    fit(lambda: FSDPStrategyOnCPU(state_dict_type="sharded"), root / "fsdp1-sharded", epochs=1)
-    found["fsdp1-sharded"] = root / "fsdp1-sharded" / "epoch=0.ckpt"
+    for form in ("sharded", "full"):
+        fit(lambda form=form: FSDPStrategyOnCPU(state_dict_type=form), root / f"fsdp1-{form}", epochs=1)
+        found[f"fsdp1-{form}"] = root / f"fsdp1-{form}" / "epoch=0.ckpt"
     found["no-decay losses"] = fit(upstream(False), root / "no-decay-upstream", model_class=NoDecayGroups)
     found["no-decay upstream-full"] = root / "no-decay-upstream" / "epoch=0.ckpt"
-    fit(OURS["fsdp2"], root / "no-decay-fsdp2", epochs=1, model_class=NoDecayGroups)
-    found["no-decay fsdp2"] = root / "no-decay-fsdp2" / "epoch=0.ckpt"
+    fit(lambda: FSDPStrategyOnCPU(state_dict_type="full"), root / "no-decay-fsdp1", epochs=1, model_class=NoDecayGroups)
+    found["no-decay fsdp1-full"] = root / "no-decay-fsdp1" / "epoch=0.ckpt"
     return found
 
 
 def test_upstream_writes_what_this_test_means_to_read(saves: dict[str, Any]) -> None:
     assert (saves["upstream-sharded"] / ".metadata").is_file() and (saves["upstream-sharded"] / "meta.pt").is_file()
-    assert saves["upstream-full"].is_file()
+    assert saves["upstream-full"].is_file() and saves["fsdp1-full"].is_file()
+    assert (saves["fsdp1-sharded"] / ".metadata").is_file()
 
 
-@pytest.mark.parametrize("form", ["upstream-sharded", "upstream-full", "fsdp1-sharded"])
+@pytest.mark.parametrize("form", ["upstream-sharded", "upstream-full", "fsdp1-sharded", "fsdp1-full"])
 @pytest.mark.parametrize("ours", list(OURS))
 def test_each_of_our_strategies_resumes_upstreams_checkpoint_exactly(
     tmp_path: Path, saves: dict[str, Any], ours: str, form: str
@@ -117,34 +115,47 @@ def test_upstreams_full_file_with_param_groups_out_of_module_order_resumes_exact
     assert_continues(saves["no-decay losses"], losses)
 
 
-def test_fsdp_strategy_resumes_our_full_checkpoint_exactly(tmp_path: Path, saves: dict[str, Any]) -> None:
-    losses = fit(lambda: FSDPStrategyOnCPU(state_dict_type="sharded"), tmp_path, ckpt_path=saves["fsdp2"])
-    assert_same_checkpoint_state(saves["fsdp2"], tmp_path / "restored.ckpt")
+@pytest.mark.parametrize("form", ["sharded", "full"])
+@pytest.mark.parametrize("ours", list(OURS))
+def test_fsdp_strategy_resumes_each_of_our_full_checkpoints_exactly(
+    tmp_path: Path, saves: dict[str, Any], ours: str, form: str
+) -> None:
+    losses = fit(lambda: FSDPStrategyOnCPU(state_dict_type=form), tmp_path, ckpt_path=saves[ours])
+    assert_same_checkpoint_state(saves[ours], tmp_path / "restored.ckpt")
     assert_continues(saves["losses"], losses)
 
 
-def _as_fsdp_strategy_full_file(canonical_file: Path, out: Path) -> Path:
-    """What ``FSDPStrategy(state_dict_type="full")`` writes: optimizer state re-keyed by FSDP1's own API from
-    parameter names to parameter ids, which number the module's parameters in its order."""
-    checkpoint = torch.load(canonical_file, weights_only=True)
-    model = NoDecayGroups()
-    names = [name for name, _ in model.named_parameters()]
-    weights, biases = [n for n in names if n.endswith("weight")], [n for n in names if n.endswith("bias")]
-    by_name = canonical_to_name_keyed(checkpoint["optimizer_states"][0], weights + biases)
-    by_id = FullyShardedDataParallel.rekey_optim_state_dict(by_name, OptimStateKeyType.PARAM_ID, model)
-    torch.save({**checkpoint, "optimizer_states": [by_id]}, out)
-    return out
+@pytest.mark.parametrize(
+    ("form", "refusal"),
+    [
+        # FSDPStrategy reads its own DCP layout (the model under "model"), ours is ModelParallelStrategy's.
+        ("fsdp2-sharded", r"Missing key in checkpoint state_dict: model\."),
+        # It reads only torch.distributed.checkpoint directories.
+        ("fsdp_fairscale-sharded", r"No such file or directory: .*\.metadata"),
+    ],
+)
+def test_fsdp_strategy_resumes_our_sharded_directories_through_consolidate(
+    tmp_path: Path, saves: dict[str, Any], form: str, refusal: str
+) -> None:
+    with pytest.raises(RuntimeError, match=refusal):
+        fit(lambda: FSDPStrategyOnCPU(state_dict_type="sharded"), tmp_path / "direct", ckpt_path=saves[form])
+    consolidated = tmp_path / "consolidated.ckpt"
+    consolidate_checkpoint(saves[form], consolidated, show_progress=False)
+    losses = fit(lambda: FSDPStrategyOnCPU(state_dict_type="sharded"), tmp_path / "resumed", ckpt_path=consolidated)
+    assert_same_checkpoint_state(saves[form], tmp_path / "resumed" / "restored.ckpt")
+    assert_continues(saves["losses"], losses)
 
 
 @pytest.mark.parametrize("ours", list(OURS))
-def test_each_of_our_strategies_resumes_an_fsdp_strategy_full_file_exactly(
+def test_each_of_our_strategies_resumes_an_fsdp_strategy_full_file_with_param_groups_out_of_module_order_exactly(
     tmp_path: Path, saves: dict[str, Any], ours: str
 ) -> None:
-    saved = _as_fsdp_strategy_full_file(saves["no-decay fsdp2"], tmp_path / "fsdp1-full.ckpt")
+    # FSDPStrategy re-keys its full optimizer state to parameter ids with FSDP1's own API: the module's order.
+    saved = saves["no-decay fsdp1-full"]
     groups = torch.load(saved, weights_only=True)["optimizer_states"][0]["param_groups"]
-    assert [group["params"] for group in groups] == [[0, 2], [1, 3]]  # module order, not torch's
+    assert [group["params"] for group in groups] == [[0, 2], [1, 3]]
     losses = fit(OURS[ours], tmp_path, ckpt_path=saved, model_class=NoDecayGroups)
-    assert_same_checkpoint_state(saves["no-decay fsdp2"], tmp_path / "restored.ckpt")
+    assert_same_checkpoint_state(saved, tmp_path / "restored.ckpt")
     assert_continues(saves["no-decay losses"], losses)
 
 

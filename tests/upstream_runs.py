@@ -1,22 +1,38 @@
 """Runs upstream Lightning's sharded strategies and ours side by side on forked ranks (see ``tests/ranks.py``).
 
-``FSDPStrategy`` refuses the CPU twice, and the runs apply the two smallest fixes there are (nothing in the
-package): a subclass (the refusal checks ``type(strategy) is FSDPStrategy``), and the model wraps its layers in
-``configure_model`` with ``device_id=torch.device("cpu")`` (upstream passes the device *index*, ``None`` on the CPU,
-which torch's FSDP1 refuses).
+``FSDPStrategy`` fails on the CPU three times, and the runs apply the three smallest fixes there are (nothing in the
+package):
+
+- a subclass (the refusal checks ``type(strategy) is FSDPStrategy``);
+- the model wraps its layers in ``configure_model`` with ``device_id=torch.device("cpu")`` (upstream passes the device
+  *index*, ``None`` on the CPU, which torch's FSDP1 refuses);
+- full saves gather without ``offload_to_cpu`` (upstream always asks for it; on the CPU, FSDP1's offload "moves" the
+  gathered flat parameter to the device it is already on, gets the same storage back, frees it, and the state dict's
+  clone then reads freed memory: a segfault).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytorch_lightning as pl
+import pytorch_lightning.strategies.fsdp as upstream_fsdp
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import FSDPStrategy, ModelParallelStrategy
-from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch import Tensor
+from torch.distributed.fsdp import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    FullyShardedDataParallel,
+    StateDictType,
+    fully_shard,
+)
+from torch.optim import Optimizer
 
 from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy
 from lightning_strategies.testing.models import ConformanceModel
@@ -28,8 +44,34 @@ EPOCHS = 2
 LOSS_RTOL = 1e-5
 
 
+def _full_state_without_offload(module: torch.nn.Module, world_size: int, rank0_only: bool = True) -> Any:
+    """Upstream's full state-dict context, less ``offload_to_cpu`` (the parameters are on the CPU already)."""
+    return FullyShardedDataParallel.state_dict_type(
+        module,
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+        FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+    )
+
+
+@contextlib.contextmanager
+def _gathering_without_offload() -> Iterator[None]:
+    """For one call of upstream's save path only (nothing leaks past it)."""
+    with mock.patch.object(upstream_fsdp, "_get_full_state_dict_context", _full_state_without_offload):
+        yield
+
+
 class FSDPStrategyOnCPU(FSDPStrategy):
-    """Upstream's ``FSDPStrategy``, past its accelerator check (which looks for that exact type)."""
+    """Upstream's ``FSDPStrategy``, past its accelerator check (which looks for that exact type), saving full
+    checkpoints without ``offload_to_cpu`` (see the module's docstring)."""
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        with _gathering_without_offload():
+            return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        with _gathering_without_offload():
+            return super().optimizer_state(optimizer)
 
 
 class ShardedByUser(ConformanceModel):
