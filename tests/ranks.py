@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -74,11 +75,19 @@ def run_as_ranks(function: Callable[[], Any], world_size: int = 2, timeout: floa
                     f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout} s"
                 )
     finally:
+        killed = {rank for rank, process in enumerate(processes) if process.is_alive()}
+        for rank in killed:
+            processes[rank].kill()
         for process in processes:
-            if process.is_alive():
-                process.kill()
             process.join(timeout=10)
     failures = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(results.items()) if not ok]
+    # A rank that crashed (a signal) says nothing itself; its peers then report lost connections.
+    crashed = [
+        f"rank {rank} died of {signal.Signals(-process.exitcode).name}"
+        for rank, process in enumerate(processes)
+        if rank not in results and rank not in killed and process.exitcode is not None and process.exitcode < 0
+    ]
+    failures = crashed + failures
     if failures:
         raise RuntimeError("\n".join(failures))
     return [results[rank][1] for rank in range(world_size)]

@@ -223,7 +223,12 @@ class _Kit:
             "checkpoint_weights_only_load", lambda: torch.load(checkpoint_path, map_location="cpu", weights_only=True)
         )
         if not isinstance(checkpoint, dict):
+            if checkpoint is not None:
+                self.report.add(
+                    "checkpoint_weights_only_load", False, f"{checkpoint_path.name} holds a {type(checkpoint).__name__}"
+                )
             return None
+        self.report.add("checkpoint_weights_only_load", True, "torch.load(weights_only=True) reads the file")
         state = checkpoint.get("state_dict", {})
         plain = self.model(None)
         try:
