@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch.distributed as dist
@@ -41,7 +41,7 @@ def strategy_for(name: str, module: BenchModule) -> str | Strategy:
     return name
 
 
-def fsdp_strategy_on_cpu(state_dict_type: str) -> Strategy:
+def fsdp_strategy_on_cpu(state_dict_type: Literal["full", "sharded"]) -> Strategy:
     """Upstream's ``FSDPStrategy`` with the fixes it needs on the CPU (``tests/upstream_runs.py``: past the accelerator
     check, full saves without ``offload_to_cpu``), as the interoperability tests run it.
 
