@@ -14,25 +14,49 @@ MODELS: tuple[str, ...] = ("mlp", "gpt2")
 #: Benchmarks in the order they run.
 BENCHMARKS: tuple[str, ...] = ("overhead", "save", "resume", "memory", "scaling")
 
-#: The strategy of this package that upstream Lightning's ``ModelParallelStrategy`` is compared with.
+#: The strategy of this package that upstream Lightning's ``ModelParallelStrategy`` and ``FSDPStrategy`` are compared
+#: with.
 UPSTREAM_PEER = "fsdp2"
 #: Upstream's ``ModelParallelStrategy`` (data parallel over every rank, distributed checkpoint directory).
 MODEL_PARALLEL = "model_parallel"
 #: The same, saving one full checkpoint file (``save_distributed_checkpoint=False``).
 MODEL_PARALLEL_FULL = "model_parallel_full"
+#: Upstream's ``FSDPStrategy`` (torch FSDP1) with the test suite's CPU fixes (``tests.upstream_runs``),
+#: saving one full checkpoint file (``state_dict_type="full"``, its default).
+UPSTREAM_FSDP = "fsdp"
+#: The same with ``state_dict_type="sharded"``: a ``torch.distributed.checkpoint`` directory.
+UPSTREAM_FSDP_SHARDED = "fsdp_sharded"
 #: ``FSDP2Strategy(state_dict_type="sharded")``: a sharded checkpoint directory.
 FSDP2_SHARDED = "fsdp2_sharded"
-#: Per checkpoint kind, the strategy of ours and upstream's that save it (save and resume benchmarks): a full file
-#: each (``fsdp2``'s default, ``save_distributed_checkpoint=False``) and a sharded directory each (upstream's default).
-UPSTREAM_PAIRS: dict[str, tuple[str, str]] = {
-    "full": (UPSTREAM_PEER, MODEL_PARALLEL_FULL),
-    "sharded": (FSDP2_SHARDED, MODEL_PARALLEL),
+#: The upstream strategies ``fsdp2`` is compared with (keyed by a benchmark name of each) and their label in figures.
+#: ``FSDPStrategy`` is compared on the model state only (memory, save, resume), not on step time.
+UPSTREAM_LABELS: dict[str, str] = {
+    MODEL_PARALLEL: "upstream ModelParallelStrategy",
+    UPSTREAM_FSDP: "upstream FSDPStrategy",
+}
+#: Per upstream strategy and checkpoint kind, the strategy of ours and upstream's that save it (save and resume
+#: benchmarks): a full file each (``fsdp2``'s default; ``save_distributed_checkpoint=False``; ``FSDPStrategy``'s
+#: default) and a sharded directory each (``ModelParallelStrategy``'s default; ``state_dict_type="sharded"``).
+UPSTREAM_PAIRS: dict[str, dict[str, tuple[str, str]]] = {
+    MODEL_PARALLEL: {"full": (UPSTREAM_PEER, MODEL_PARALLEL_FULL), "sharded": (FSDP2_SHARDED, MODEL_PARALLEL)},
+    UPSTREAM_FSDP: {"full": (UPSTREAM_PEER, UPSTREAM_FSDP), "sharded": (FSDP2_SHARDED, UPSTREAM_FSDP_SHARDED)},
 }
 
 
 def is_model_parallel(strategy: str) -> bool:
-    """Whether a benchmark's strategy name is upstream's ``ModelParallelStrategy`` (the model shards itself)."""
+    """Whether a benchmark's strategy name is upstream's ``ModelParallelStrategy``."""
     return strategy in (MODEL_PARALLEL, MODEL_PARALLEL_FULL)
+
+
+def is_upstream_fsdp(strategy: str) -> bool:
+    """Whether a benchmark's strategy name is upstream's ``FSDPStrategy``."""
+    return strategy in (UPSTREAM_FSDP, UPSTREAM_FSDP_SHARDED)
+
+
+def shards_itself(strategy: str) -> bool:
+    """Whether the model must shard itself in ``configure_model`` under the strategy: upstream's
+    ``ModelParallelStrategy``, and ``FSDPStrategy``, whose CPU runs need the model to wrap its layers."""
+    return is_model_parallel(strategy) or is_upstream_fsdp(strategy)
 
 
 @dataclass(frozen=True)

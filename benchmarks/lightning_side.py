@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch.distributed as dist
@@ -13,16 +13,18 @@ from torch.optim import Optimizer
 from lightning_strategies import FSDP2Strategy  # importing the package registers ddp_sharded, fsdp_fairscale, fsdp2
 
 from .by_hand import Wrapped
-from .config import FSDP2_SHARDED, MODEL_PARALLEL, MODEL_PARALLEL_FULL
+from .config import FSDP2_SHARDED, MODEL_PARALLEL, MODEL_PARALLEL_FULL, UPSTREAM_FSDP_SHARDED, is_upstream_fsdp
 from .models import BenchModule
 
 
 def strategy_for(name: str, module: BenchModule) -> str | Strategy:
     """The strategy a benchmark variant names, configured for ``module``.
 
-    ``fsdp2`` shards each of ``module.block_classes()`` too (``shard_module_classes``); the upstream names build
-    ``ModelParallelStrategy`` over every rank with ``tensor_parallel_size=1`` (the module shards itself in
-    ``configure_model``, see ``models.shard_like_fsdp2``); other names are registered strategy names.
+    ``fsdp2`` shards each of ``module.block_classes()`` too (``shard_module_classes``); the ``model_parallel`` names
+    build ``ModelParallelStrategy`` over every rank with ``tensor_parallel_size=1`` (the module shards itself in
+    ``configure_model``, see ``models.shard_like_fsdp2``); ``fsdp`` and ``fsdp_sharded`` build upstream's
+    ``FSDPStrategy`` with the test suite's CPU fixes (the module wraps itself, see
+    ``models.wrap_like_fsdp2_with_fsdp1``); other names are registered strategy names.
     """
     if name in (MODEL_PARALLEL, MODEL_PARALLEL_FULL):
         return ModelParallelStrategy(
@@ -30,11 +32,26 @@ def strategy_for(name: str, module: BenchModule) -> str | Strategy:
             tensor_parallel_size=1,
             save_distributed_checkpoint=name == MODEL_PARALLEL,
         )
+    if is_upstream_fsdp(name):
+        return fsdp_strategy_on_cpu("sharded" if name == UPSTREAM_FSDP_SHARDED else "full")
     if name == FSDP2_SHARDED:
         return FSDP2Strategy(state_dict_type="sharded", shard_module_classes=module.block_classes())
     if name == "fsdp2" and module.block_classes():
         return FSDP2Strategy(shard_module_classes=module.block_classes())
     return name
+
+
+def fsdp_strategy_on_cpu(state_dict_type: Literal["full", "sharded"]) -> Strategy:
+    """Upstream's ``FSDPStrategy`` with the fixes it needs on the CPU (``tests/upstream_runs.py``: past the accelerator
+    check, full saves without ``offload_to_cpu``), as the interoperability tests run it.
+
+    Imported here: ``tests.upstream_runs`` brings the test helpers (and ``transformers``) along, which runs without
+    upstream's ``FSDPStrategy`` do not need.
+    """
+    from tests.upstream_runs import FSDPStrategyOnCPU
+
+    strategy: Strategy = FSDPStrategyOnCPU(state_dict_type=state_dict_type)
+    return strategy
 
 
 def trainer(strategy: str | Strategy, callbacks: list[pl.Callback], **overrides: Any) -> pl.Trainer:

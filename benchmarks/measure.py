@@ -86,7 +86,10 @@ def _local(tensor: Tensor) -> Tensor:
 
 
 def storage_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a DTensor counts its local shard's storage)."""
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor counts its local shard's storage; FSDP1's original
+    parameters with ``use_orig_params=True``, and their gradients, are views into the local shard of their flat
+    parameter and of its gradient, so each shard counts once, with its padding, and a parameter held by the other rank
+    is an empty tensor)."""
     seen: set[int] = set()
     total = 0
     for tensor in tensors:

@@ -1,4 +1,5 @@
-"""Benchmark 4: per-rank bytes of parameters, gradients and optimizer state, sharded strategies against ``ddp``."""
+"""Benchmark 4: per-rank bytes of parameters, gradients and optimizer state, sharded strategies against ``ddp``; and
+``fsdp2`` against upstream's ``FSDPStrategy`` (torch FSDP1)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from typing import Any
 import pytorch_lightning as pl
 import torch.distributed as dist
 
-from .config import Config
-from .lightning_side import raw_optimizer, trainer
+from .config import UPSTREAM_FSDP, UPSTREAM_PEER, Config, shards_itself
+from .lightning_side import raw_optimizer, strategy_for, trainer
 from .measure import training_state_bytes
-from .models import dataset, lightning_loader, new_model
+from .models import lightning_loader, workload
 
 MEASURED_STEP = 1  # the second step: the optimizer already holds state, the gradients are fresh
 
@@ -35,15 +36,21 @@ class _TrainingStateBytes(pl.Callback):
             self.bytes = training_state_bytes(wrapper.parameters(), raw_optimizer(trainer.strategy.optimizers[0]))
 
 
+def strategies(config: Config) -> list[str]:
+    """Upstream ``ddp``, the compared strategies of ours and, with ``fsdp2``, upstream's ``FSDPStrategy``."""
+    return ["ddp", *config.strategies, *([UPSTREAM_FSDP] if UPSTREAM_PEER in config.strategies else [])]
+
+
 def run(config: Config, workdir: Path) -> dict[str, Any]:
-    """One short fit per strategy (and upstream ``ddp``); the bytes are the same on every repeat."""
+    """One short fit per strategy of :func:`strategies`; the bytes are the same on every repeat."""
     results: dict[str, Any] = {}
-    steps = MEASURED_STEP + 1
-    data = dataset(config.width, config.batch_size * dist.get_world_size() * steps)
-    for strategy in ("ddp", *config.strategies):
+    work = workload(config)
+    data = work.data(work.batch_size * dist.get_world_size() * (MEASURED_STEP + 1))
+    for strategy in strategies(config):
         probe = _TrainingStateBytes()
-        trainer(strategy, [probe], max_epochs=1).fit(
-            new_model(config.width, config.depth), train_dataloaders=lightning_loader(data, config.batch_size)
+        model = work.new_model(shards_itself=shards_itself(strategy))
+        trainer(strategy_for(strategy, model), [probe], max_epochs=1).fit(
+            model, train_dataloaders=lightning_loader(data, work.batch_size)
         )
         results[strategy] = probe.bytes
     return results

@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.strategies import ModelParallelStrategy
+from pytorch_lightning.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from .config import MODELS, Config
@@ -166,24 +166,50 @@ def shard_like_fsdp2(module: BenchModule, mesh: DeviceMesh) -> None:
     fully_shard(module, mesh=mesh)
 
 
-def _shard_under_model_parallel(module: BenchModule) -> None:
+def wrap_like_fsdp2_with_fsdp1(module: BenchModule) -> None:
+    """FSDP1 units where ``FSDP2Strategy`` puts ``fully_shard``, as a user of upstream's ``FSDPStrategy`` on the CPU
+    wraps them in ``configure_model``: each block of ``module.block_classes()`` (children first), then each child of
+    the LightningModule that holds parameters (the whole model: the MLP's ``layers``, the GPT-2's ``model``), all with
+    ``device_id=torch.device("cpu")`` and ``use_orig_params=True`` (see ``tests/upstream_runs.py``: upstream passes
+    the device index, ``None`` on the CPU, which FSDP1 refuses) and FSDP1's defaults otherwise.
+
+    Does nothing to a module that is already wrapped (a second fit of the same module).
+    """
+    if any(isinstance(submodule, FullyShardedDataParallel) for submodule in module.modules()):
+        return
+    cpu = torch.device("cpu")
+    blocks = module.block_classes()
+    for parent in reversed(list(module.modules())):
+        for name, child in parent.named_children():
+            if blocks and isinstance(child, blocks):
+                setattr(parent, name, FullyShardedDataParallel(child, device_id=cpu, use_orig_params=True))
+    for name, child in module.named_children():
+        if any(True for _ in child.parameters()):
+            setattr(module, name, FullyShardedDataParallel(child, device_id=cpu, use_orig_params=True))
+
+
+def _shard_under_upstream(module: BenchModule) -> None:
     strategy = module.trainer.strategy
     if isinstance(strategy, ModelParallelStrategy):
         shard_like_fsdp2(module, strategy.device_mesh["data_parallel"])
+    elif isinstance(strategy, FSDPStrategy):
+        wrap_like_fsdp2_with_fsdp1(module)
 
 
-class MLPForModelParallel(BenchModel):
-    """The MLP, sharded in ``configure_model`` as upstream's ``ModelParallelStrategy`` requires."""
-
-    def configure_model(self) -> None:
-        _shard_under_model_parallel(self)
-
-
-class GPT2ForModelParallel(GPT2BenchModel):
-    """GPT-2, sharded in ``configure_model`` as upstream's ``ModelParallelStrategy`` requires."""
+class MLPForUpstream(BenchModel):
+    """The MLP, sharding itself in ``configure_model`` as upstream's ``ModelParallelStrategy`` requires and as
+    ``FSDPStrategy`` needs on the CPU."""
 
     def configure_model(self) -> None:
-        _shard_under_model_parallel(self)
+        _shard_under_upstream(self)
+
+
+class GPT2ForUpstream(GPT2BenchModel):
+    """GPT-2, sharding itself in ``configure_model`` as upstream's ``ModelParallelStrategy`` requires and as
+    ``FSDPStrategy`` needs on the CPU."""
+
+    def configure_model(self) -> None:
+        _shard_under_upstream(self)
 
 
 def token_dataset(vocab: int, sequence: int, samples: int, seed: int = 11) -> TensorDataset:
@@ -200,8 +226,8 @@ class Workload:
     Attributes:
         name: ``mlp`` or ``gpt2``.
         batch_size: Samples per rank and step.
-        build: ``build(for_model_parallel)``: a new model (seeded by :meth:`new_model`); with ``True`` the class
-            that shards itself in ``configure_model`` under ``ModelParallelStrategy``.
+        build: ``build(shards_itself)``: a new model (seeded by :meth:`new_model`); with ``True`` the class that
+            shards itself in ``configure_model`` under upstream's ``ModelParallelStrategy`` and ``FSDPStrategy``.
         data: ``data(samples)``: the training data.
     """
 
@@ -210,10 +236,10 @@ class Workload:
     build: Callable[[bool], BenchModule]
     data: Callable[[int], TensorDataset]
 
-    def new_model(self, seed: int = 7, for_model_parallel: bool = False) -> BenchModule:
+    def new_model(self, seed: int = 7, shards_itself: bool = False) -> BenchModule:
         """A model with the same initial weights on every rank and in every variant."""
         torch.manual_seed(seed)
-        return self.build(for_model_parallel)
+        return self.build(shards_itself)
 
 
 def workload(config: Config, name: str = "mlp") -> Workload:
@@ -226,14 +252,14 @@ def workload(config: Config, name: str = "mlp") -> Workload:
         return Workload(
             name,
             config.batch_size,
-            lambda upstream: (MLPForModelParallel if upstream else BenchModel)(config.width, config.depth),
+            lambda upstream: (MLPForUpstream if upstream else BenchModel)(config.width, config.depth),
             lambda samples: dataset(config.width, samples),
         )
     if name == "gpt2":
         return Workload(
             name,
             config.gpt2_batch_size,
-            lambda upstream: (GPT2ForModelParallel if upstream else GPT2BenchModel)(
+            lambda upstream: (GPT2ForUpstream if upstream else GPT2BenchModel)(
                 config.gpt2_vocab, config.gpt2_width, config.gpt2_layers, config.gpt2_heads, config.gpt2_sequence
             ),
             lambda samples: token_dataset(config.gpt2_vocab, config.gpt2_sequence, samples),

@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import by_hand
-from .config import MODEL_PARALLEL, UPSTREAM_PEER, Config, is_model_parallel
+from .config import MODEL_PARALLEL, UPSTREAM_PEER, Config, shards_itself
 from .lightning_side import StepTimer, strategy_for, trainer
 from .measure import barrier, release_free_memory
 from .models import hand_loader, lightning_loader, workload
@@ -52,7 +52,7 @@ def run_lightning(config: Config, variant: Variant) -> dict[str, list[float]]:
     work = workload(config, variant.model)
     steps = config.warmup_steps + config.timed_steps
     data = work.data(work.batch_size * dist.get_world_size() * steps)
-    model = work.new_model(for_model_parallel=is_model_parallel(variant.strategy))
+    model = work.new_model(shards_itself=shards_itself(variant.strategy))
     timer = StepTimer()
     trainer(strategy_for(variant.strategy, model), [timer], max_epochs=1).fit(
         model, train_dataloaders=lightning_loader(data, work.batch_size)

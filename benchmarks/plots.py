@@ -12,11 +12,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 from matplotlib.axes import Axes
 
+from .config import UPSTREAM_FSDP, UPSTREAM_LABELS, UPSTREAM_PAIRS
+
+#: Bar colours by a series label, or else by its first word.
 COLORS = {
     "ours": "#1f77b4",
     "hand": "#ff7f0e",
     "hand-written": "#ff7f0e",
     "upstream": "#7f7f7f",
+    UPSTREAM_LABELS[UPSTREAM_FSDP]: "#bcbd22",
     "fresh": "#2ca02c",
     "resume": "#1f77b4",
 }
@@ -32,9 +36,8 @@ def _bars(
         medians = [row["median"] * scale for row in rows]
         lower = [(row["median"] - row["min"]) * scale for row in rows]
         upper = [(row["max"] - row["median"]) * scale for row in rows]
-        axes.bar(
-            positions, medians, width, label=label, color=COLORS.get(label.split()[0]), yerr=[lower, upper], capsize=3
-        )
+        color = COLORS.get(label, COLORS.get(label.split()[0]))
+        axes.bar(positions, medians, width, label=label, color=color, yerr=[lower, upper], capsize=3)
     axes.set_xticks(range(len(groups)), groups)
     axes.set_ylabel(unit)
     axes.legend()
@@ -105,19 +108,20 @@ def plot_overhead(summary: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
-def _against_upstream(axes: Axes, rows: dict[str, dict[str, dict[str, float]]], title: str) -> None:
-    """Per checkpoint kind (full, sharded), the ``ours`` and ``upstream`` stats of ``rows``, in ms."""
-    kinds = list(rows)
-    _bars(
-        axes,
-        kinds,
-        {
-            "ours (fsdp2)": [rows[kind]["ours"] for kind in kinds],
-            "upstream ModelParallelStrategy": [rows[kind]["upstream"] for kind in kinds],
-        },
-        1e3,
-        "ms (median, min-max)",
-    )
+def _against_upstream(axes: Axes, rows: dict[str, dict[str, dict[str, Any]]], key: str | None, title: str) -> None:
+    """Per checkpoint kind (full, sharded), ``fsdp2`` and each upstream strategy, in ms: ``rows`` is keyed by upstream
+    strategy, then kind, and holds ``ours`` and ``upstream`` (their stats, or dicts holding them under ``key``)."""
+    peers = [peer for peer in UPSTREAM_PAIRS if peer in rows]
+    kinds = list(rows[peers[0]])
+
+    def pick(row: dict[str, Any]) -> dict[str, float]:
+        picked: dict[str, float] = row[key] if key else row
+        return picked
+
+    series = {"ours (fsdp2)": [pick(rows[peers[0]][kind]["ours"]) for kind in kinds]}
+    for peer in peers:
+        series[UPSTREAM_LABELS[peer]] = [pick(rows[peer][kind]["upstream"]) for kind in kinds]
+    _bars(axes, kinds, series, 1e3, "ms (median, min-max)")
     axes.set_title(title)
 
 
@@ -127,10 +131,7 @@ def plot_save(summary: dict[str, Any], path: Path) -> None:
     figure, axes = plt.subplots(1, 3 if upstream else 2, figsize=(15 if upstream else 10, 4))
     left, right = axes[0], axes[1]
     if upstream:
-        seconds = {
-            kind: {side: row[side]["seconds"] for side in ("ours", "upstream")} for kind, row in upstream.items()
-        }
-        _against_upstream(axes[2], seconds, "Save, fsdp2 vs upstream ModelParallelStrategy")
+        _against_upstream(axes[2], upstream, "seconds", "Save, fsdp2 vs upstream strategies")
     _bars(
         left,
         strategies,
@@ -173,7 +174,7 @@ def plot_resume(summary: dict[str, Any], path: Path) -> None:
     figure, panels = plt.subplots(1, 2 if upstream else 1, figsize=(12 if upstream else 7, 4), squeeze=False)
     axes = panels[0][0]
     if upstream:
-        _against_upstream(panels[0][1], upstream, "Resumed fit to first step, fsdp2 vs ModelParallelStrategy")
+        _against_upstream(panels[0][1], upstream, None, "Resumed fit to first step, fsdp2 vs upstream")
     _bars(
         axes,
         strategies,
@@ -193,11 +194,12 @@ def plot_resume(summary: dict[str, Any], path: Path) -> None:
 
 def plot_memory(summary: dict[str, Any], path: Path) -> None:
     strategies = list(summary)
-    figure, axes = plt.subplots(figsize=(7, 4))
+    ticks = [f"upstream {name}" if name in UPSTREAM_LABELS else name for name in strategies]
+    figure, axes = plt.subplots(figsize=(8, 4))
     bottom = [0.0] * len(strategies)
     for part in ("params", "grads", "optimizer"):
         values = [max(rank[part] for rank in summary[s]["per_rank"]) / 1e6 for s in strategies]
-        axes.bar(strategies, values, 0.6, bottom=bottom, label=part)
+        axes.bar(ticks, values, 0.6, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     axes.set_ylabel("MB per rank (largest rank)")
     axes.set_title("Parameters + gradients + optimizer state per rank, world size 2")

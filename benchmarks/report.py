@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .config import UPSTREAM_PAIRS, UPSTREAM_PEER, Config
+from .config import MODEL_PARALLEL, UPSTREAM_FSDP, UPSTREAM_LABELS, UPSTREAM_PAIRS, UPSTREAM_PEER, Config
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def summarize_overhead(ranks: Sequence[dict[str, Any]], config: Config, goals: l
     return {"variants": variants, "ratios": ratios, "vs_upstream": _overhead_vs_upstream(variants, goals)}
 
 
-UPSTREAM_LABEL = "upstream ModelParallelStrategy"
+UPSTREAM_LABEL = UPSTREAM_LABELS[MODEL_PARALLEL]
 
 
 def _overhead_vs_upstream(variants: dict[str, Any], goals: list[Goal]) -> dict[str, float]:
@@ -221,62 +221,62 @@ def _rss_ratio(ours: float, upstream: float) -> float:
 
 
 def _save_vs_upstream(per_rank: Sequence[dict[str, Any]], goals: list[Goal]) -> dict[str, Any]:
-    """``fsdp2`` against upstream's ``ModelParallelStrategy``, per checkpoint kind: save time and peak RSS added."""
+    """``fsdp2`` against each upstream strategy of :data:`UPSTREAM_PAIRS`, per checkpoint kind: save time and peak
+    RSS added. Keyed by upstream strategy, then checkpoint kind."""
     summary: dict[str, Any] = {}
-    for kind, (ours_name, upstream_name) in UPSTREAM_PAIRS.items():
-        ours, upstream = (
-            _save_side([rank["samples"][name] for rank in per_rank], per_rank[0]["checkpoint_bytes"][name])
-            for name in (ours_name, upstream_name)
-        )
-        rows: dict[str, Any] = {"strategies": [ours_name, upstream_name], "ours": ours, "upstream": upstream}
-        rows["time_ratio"] = _ratio(ours["seconds"]["median"], upstream["seconds"]["median"])
-        for where in ("rank0", "other_ranks"):
-            key = f"rss_added_{where}_bytes"
-            rows[f"rss_{where}_ratio"] = _rss_ratio(ours[key]["max"], upstream[key]["max"])
-        label = f"{kind} checkpoint"
-        goals.append(
-            Goal("save", UPSTREAM_PEER, f"{label} save time, ours / {UPSTREAM_LABEL}", rows["time_ratio"], 1.0)
-        )
-        goals.append(
-            Goal(
-                "save",
-                UPSTREAM_PEER,
-                f"{label}: peak RSS added on rank 0, ours / upstream",
-                rows["rss_rank0_ratio"],
-                1.0,
-            )
-        )
-        goals.append(
-            Goal(
-                "save",
-                UPSTREAM_PEER,
-                f"{label}: peak RSS added on rank 1, ours / upstream",
-                rows["rss_other_ranks_ratio"],
-                1.0,
-            )
-        )
-        summary[kind] = rows
+    for peer, pairs in UPSTREAM_PAIRS.items():
+        summary[peer] = {
+            kind: _save_pair(per_rank, names, UPSTREAM_LABELS[peer], kind, goals) for kind, names in pairs.items()
+        }
     return summary
 
 
-def _resume_vs_upstream(per_rank: Sequence[dict[str, Any]], goals: list[Goal]) -> dict[str, Any]:
-    """Resumed fit to first step, ``fsdp2`` against upstream's ``ModelParallelStrategy``, per checkpoint kind."""
-    summary: dict[str, Any] = {}
-    for kind, (ours_name, upstream_name) in UPSTREAM_PAIRS.items():
-        ours, upstream = (
-            stats(_max_over_ranks([rank[name] for rank in per_rank])) for name in (ours_name, upstream_name)
-        )
-        ratio = _ratio(ours["median"], upstream["median"])
-        summary[kind] = {"strategies": [ours_name, upstream_name], "ours": ours, "upstream": upstream, "ratio": ratio}
+def _save_pair(
+    per_rank: Sequence[dict[str, Any]], names: tuple[str, str], label: str, kind: str, goals: list[Goal]
+) -> dict[str, Any]:
+    """One checkpoint kind, ours against one upstream strategy (``label``): the rows and the three figures."""
+    ours, upstream = (
+        _save_side([rank["samples"][name] for rank in per_rank], per_rank[0]["checkpoint_bytes"][name])
+        for name in names
+    )
+    rows: dict[str, Any] = {"strategies": list(names), "ours": ours, "upstream": upstream}
+    rows["time_ratio"] = _ratio(ours["seconds"]["median"], upstream["seconds"]["median"])
+    for where in ("rank0", "other_ranks"):
+        key = f"rss_added_{where}_bytes"
+        rows[f"rss_{where}_ratio"] = _rss_ratio(ours[key]["max"], upstream[key]["max"])
+    goals.append(Goal("save", UPSTREAM_PEER, f"{kind} checkpoint save time, ours / {label}", rows["time_ratio"], 1.0))
+    for where, rank in (("rank0", "rank 0"), ("other_ranks", "rank 1")):
         goals.append(
             Goal(
-                "resume",
+                "save",
                 UPSTREAM_PEER,
-                f"{kind} checkpoint: resumed fit to first step, ours / {UPSTREAM_LABEL}",
-                ratio,
+                f"{kind} checkpoint: peak RSS added on {rank}, ours / {label}",
+                rows[f"rss_{where}_ratio"],
                 1.0,
             )
         )
+    return rows
+
+
+def _resume_vs_upstream(per_rank: Sequence[dict[str, Any]], goals: list[Goal]) -> dict[str, Any]:
+    """Resumed fit to first step, ``fsdp2`` against each upstream strategy of :data:`UPSTREAM_PAIRS`, per checkpoint
+    kind. Keyed by upstream strategy, then checkpoint kind."""
+    summary: dict[str, Any] = {}
+    for peer, pairs in UPSTREAM_PAIRS.items():
+        summary[peer] = {}
+        for kind, names in pairs.items():
+            ours, upstream = (stats(_max_over_ranks([rank[name] for rank in per_rank])) for name in names)
+            ratio = _ratio(ours["median"], upstream["median"])
+            summary[peer][kind] = {"strategies": list(names), "ours": ours, "upstream": upstream, "ratio": ratio}
+            goals.append(
+                Goal(
+                    "resume",
+                    UPSTREAM_PEER,
+                    f"{kind} checkpoint: resumed fit to first step, ours / {UPSTREAM_LABELS[peer]}",
+                    ratio,
+                    1.0,
+                )
+            )
     return summary
 
 
@@ -313,6 +313,13 @@ def summarize_memory(ranks: Sequence[dict[str, Any]], config: Config, goals: lis
         summary[strategy]["vs_ddp"] = ratio
         goals.append(
             Goal("memory", strategy, "per-rank params+grads+optimizer bytes / ddp", ratio, MEMORY_GOAL.get(strategy))
+        )
+    if UPSTREAM_FSDP in summary and UPSTREAM_PEER in config.strategies:
+        ratio = _ratio(max(summary[UPSTREAM_PEER]["total_per_rank"]), max(summary[UPSTREAM_FSDP]["total_per_rank"]))
+        summary[UPSTREAM_PEER]["vs_upstream_fsdp"] = ratio
+        label = UPSTREAM_LABELS[UPSTREAM_FSDP]
+        goals.append(
+            Goal("memory", UPSTREAM_PEER, f"per-rank params+grads+optimizer bytes, ours / {label}", ratio, 1.0)
         )
     return summary
 
@@ -402,6 +409,16 @@ def markdown_table(goals: Sequence[Goal]) -> str:
     return "\n".join(lines)
 
 
+def _peer_name(peer: str) -> str:
+    """``ModelParallelStrategy`` for the upstream strategy whose label is ``upstream ModelParallelStrategy``."""
+    return UPSTREAM_LABELS[peer].removeprefix("upstream ")
+
+
+def _peers() -> str:
+    """The upstream strategies ``fsdp2`` is compared with, for a table's title."""
+    return "upstream " + " and ".join(_peer_name(peer) for peer in UPSTREAM_PAIRS)
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
@@ -440,18 +457,20 @@ def details_markdown(summary: dict[str, Any]) -> str:
         upstream_saves = summary["save"].get(UPSTREAM_PEER, {}).get("vs_upstream")
         if upstream_saves:
             lines = [
-                "| checkpoint | strategies (ours / upstream) | ours ms | upstream ms | MB on disk, ours / upstream"
-                " | RSS added rank 0 / rank 1 MB, ours | upstream |",
-                "|---|---|---|---|---|---|---|",
+                "| upstream | checkpoint | strategies (ours / upstream) | ours ms | upstream ms"
+                " | MB on disk, ours / upstream | RSS added rank 0 / rank 1 MB, ours | upstream |",
+                "|---|---|---|---|---|---|---|---|",
             ]
-            for kind, row in upstream_saves.items():
-                ours, upstream = row["ours"], row["upstream"]
-                lines.append(
-                    f"| {kind} | {' / '.join(f'`{name}`' for name in row['strategies'])} | {span(ours['seconds'])} |"
-                    f" {span(upstream['seconds'])} | {ours['checkpoint_bytes'] / 1e6:.1f} /"
-                    f" {upstream['checkpoint_bytes'] / 1e6:.1f} | {rss(ours)} | {rss(upstream)} |"
-                )
-            parts.append(f"**Save against {UPSTREAM_LABEL}**\n\n" + "\n".join(lines))
+            for peer, kinds in upstream_saves.items():
+                for kind, row in kinds.items():
+                    ours, upstream = row["ours"], row["upstream"]
+                    lines.append(
+                        f"| {_peer_name(peer)} | {kind} | {' / '.join(f'`{name}`' for name in row['strategies'])} |"
+                        f" {span(ours['seconds'])} | {span(upstream['seconds'])} |"
+                        f" {ours['checkpoint_bytes'] / 1e6:.1f} / {upstream['checkpoint_bytes'] / 1e6:.1f} |"
+                        f" {rss(ours)} | {rss(upstream)} |"
+                    )
+            parts.append(f"**Save against {_peers()}**\n\n" + "\n".join(lines))
     if "resume" in summary:
         lines = [
             "| strategy | fresh fit → first step ms | resumed fit → first step ms | load by hand ms |",
@@ -463,20 +482,25 @@ def details_markdown(summary: dict[str, Any]) -> str:
         upstream_resumes = summary["resume"].get(UPSTREAM_PEER, {}).get("vs_upstream")
         if upstream_resumes:
             lines = [
-                "| checkpoint | strategies (ours / upstream) | ours: resumed fit → first step ms | upstream ms |",
-                "|---|---|---|---|",
+                "| upstream | checkpoint | strategies (ours / upstream) | ours: resumed fit → first step ms"
+                " | upstream ms |",
+                "|---|---|---|---|---|",
             ]
-            for kind, row in upstream_resumes.items():
-                names = " / ".join(f"`{name}`" for name in row["strategies"])
-                lines.append(f"| {kind} | {names} | {span(row['ours'])} | {span(row['upstream'])} |")
-            parts.append(f"**Resume against {UPSTREAM_LABEL}**\n\n" + "\n".join(lines))
+            for peer, kinds in upstream_resumes.items():
+                for kind, row in kinds.items():
+                    names = " / ".join(f"`{name}`" for name in row["strategies"])
+                    lines.append(
+                        f"| {_peer_name(peer)} | {kind} | {names} | {span(row['ours'])} | {span(row['upstream'])} |"
+                    )
+            parts.append(f"**Resume against {_peers()}**\n\n" + "\n".join(lines))
     if "memory" in summary:
         lines = ["| strategy | rank 0 params / grads / optimizer MB | total MB per rank |", "|---|---|---|"]
         for strategy, row in summary["memory"].items():
             first = row["per_rank"][0]
             totals = " / ".join(f"{total / 1e6:.1f}" for total in row["total_per_rank"])
+            name = f"`{strategy}`" + (f" ({UPSTREAM_LABELS[strategy]})" if strategy in UPSTREAM_LABELS else "")
             lines.append(
-                f"| `{strategy}` | {first['params'] / 1e6:.1f} / {first['grads'] / 1e6:.1f} /"
+                f"| {name} | {first['params'] / 1e6:.1f} / {first['grads'] / 1e6:.1f} /"
                 f" {first['optimizer'] / 1e6:.1f} | {totals} |"
             )
         parts.append("**Training state per rank**\n\n" + "\n".join(lines))

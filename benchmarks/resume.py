@@ -1,5 +1,6 @@
 """Benchmark 3: fit(ckpt_path=...) start to first step, against a fresh fit and against loading by hand; and
-``fsdp2`` against upstream's ``ModelParallelStrategy``, each resuming its own full and sharded checkpoints."""
+``fsdp2`` against upstream's ``ModelParallelStrategy`` and ``FSDPStrategy``, each resuming its own full and sharded
+checkpoints."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import by_hand
-from .config import UPSTREAM_PEER, Config, is_model_parallel
+from .config import UPSTREAM_PEER, Config, shards_itself
 from .lightning_side import FirstStepLatency, strategy_for, trainer
 from .measure import barrier, release_free_memory, timed
 from .models import lightning_loader, new_model, workload
@@ -28,7 +29,7 @@ def _first_step_latency(config: Config, strategy: str, checkpoint: Path | None) 
     work = workload(config)
     data = work.data(work.batch_size * dist.get_world_size() * SAVE_STEPS)
     # Other weights than saved (seed 8): a resume must change them.
-    model = work.new_model(seed=8, for_model_parallel=is_model_parallel(strategy))
+    model = work.new_model(seed=8, shards_itself=shards_itself(strategy))
     release_free_memory()
     barrier()
     latency = FirstStepLatency(time.perf_counter())

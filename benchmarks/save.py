@@ -1,5 +1,6 @@
 """Benchmark 2: ``trainer.save_checkpoint`` against the wrapper's own gather + ``torch.save``, time and peak RSS;
-and ``fsdp2`` against upstream's ``ModelParallelStrategy``, a full checkpoint and a sharded one each."""
+and ``fsdp2`` against upstream's ``ModelParallelStrategy`` and ``FSDPStrategy``, a full checkpoint and a sharded one
+each."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytorch_lightning as pl
 import torch.distributed as dist
 
 from . import by_hand
-from .config import UPSTREAM_PAIRS, UPSTREAM_PEER, Config, is_model_parallel
+from .config import UPSTREAM_PAIRS, UPSTREAM_PEER, Config, shards_itself
 from .lightning_side import strategy_for, trainer, wrapped_by_strategy
 from .measure import barrier, timed_with_peak
 from .models import dataset, lightning_loader, new_model, workload
@@ -67,8 +68,10 @@ def save_checkpoints(config: Config, strategy: str, workdir: Path, repeats: int)
 
 
 def upstream_pair_names() -> list[str]:
-    """The strategies of :data:`UPSTREAM_PAIRS`, ours before upstream's in each pair."""
-    return [name for pair in UPSTREAM_PAIRS.values() for name in pair]
+    """The strategies of :data:`UPSTREAM_PAIRS`, each once, per checkpoint kind ours before upstream's."""
+    kinds = dict.fromkeys(kind for pairs in UPSTREAM_PAIRS.values() for kind in pairs)
+    names = [name for kind in kinds for pairs in UPSTREAM_PAIRS.values() for name in pairs[kind]]
+    return list(dict.fromkeys(names))
 
 
 def upstream_pair_path(workdir: Path, strategy: str) -> Path:
@@ -111,7 +114,7 @@ def save_once(config: Config, strategy: str, path: Path) -> dict[str, float]:
     """Trains ``SAVE_STEPS`` steps of the MLP with ``strategy`` (a name of :data:`UPSTREAM_PAIRS`) and saves once."""
     work = workload(config)
     data = work.data(work.batch_size * dist.get_world_size() * SAVE_STEPS)
-    model = work.new_model(for_model_parallel=is_model_parallel(strategy))
+    model = work.new_model(shards_itself=shards_itself(strategy))
     saver = _SaveOnce(path)
     _remove(path)
     trainer(strategy_for(strategy, model), [saver], max_epochs=1).fit(
@@ -133,7 +136,8 @@ def save_against_upstream(config: Config, workdir: Path) -> dict[str, Any]:
 
 
 def run(config: Config, workdir: Path) -> dict[str, Any]:
-    """Save timings and peak RSS per strategy (and ``vs_upstream`` when ``fsdp2`` is compared)."""
+    """Save timings and peak RSS per strategy (and ``vs_upstream``, every strategy of :data:`UPSTREAM_PAIRS`, when
+    ``fsdp2`` is compared)."""
     results = {strategy: save_checkpoints(config, strategy, workdir, config.repeats) for strategy in config.strategies}
     if UPSTREAM_PEER in config.strategies:
         results["vs_upstream"] = save_against_upstream(config, workdir)

@@ -12,26 +12,31 @@ from benchmarks.config import BENCHMARKS, STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = "upstream ModelParallelStrategy"
-#: fsdp2 against upstream's ModelParallelStrategy and, on GPT-2, against its hand-written loop.
+UPSTREAM_FSDP = "upstream FSDPStrategy"
+#: fsdp2 against upstream's ModelParallelStrategy (step time and model state) and FSDPStrategy (model state) and, on
+#: GPT-2, against its hand-written loop.
 UPSTREAM_FIGURES = {
     ("overhead", f"MLP step time, ours / {UPSTREAM}"),
     ("overhead", "GPT-2 step time, Trainer / hand loop"),
     ("overhead", f"GPT-2 step time, ours / {UPSTREAM}"),
+    ("memory", f"per-rank params+grads+optimizer bytes, ours / {UPSTREAM_FSDP}"),
     *(
         figure
+        for peer in (UPSTREAM, UPSTREAM_FSDP)
         for kind in ("full", "sharded")
         for figure in (
-            ("save", f"{kind} checkpoint save time, ours / {UPSTREAM}"),
-            ("save", f"{kind} checkpoint: peak RSS added on rank 0, ours / upstream"),
-            ("save", f"{kind} checkpoint: peak RSS added on rank 1, ours / upstream"),
-            ("resume", f"{kind} checkpoint: resumed fit to first step, ours / {UPSTREAM}"),
+            ("save", f"{kind} checkpoint save time, ours / {peer}"),
+            ("save", f"{kind} checkpoint: peak RSS added on rank 0, ours / {peer}"),
+            ("save", f"{kind} checkpoint: peak RSS added on rank 1, ours / {peer}"),
+            ("resume", f"{kind} checkpoint: resumed fit to first step, ours / {peer}"),
         )
     ),
 }
 
 
 def test_smoke_run_writes_every_benchmark_with_numbers_and_plots(tmp_path: Path) -> None:
-    """Every benchmark and figure, the comparisons with upstream's ``ModelParallelStrategy`` and GPT-2 included."""
+    """Every benchmark and figure, the comparisons with upstream's ``ModelParallelStrategy`` and ``FSDPStrategy`` and
+    GPT-2 included."""
     out = tmp_path / "results"
     subprocess.run(
         [sys.executable, "-m", "benchmarks", "--smoke", "--out", str(out), "--timeout", "120"],
@@ -50,6 +55,7 @@ def test_smoke_run_writes_every_benchmark_with_numbers_and_plots(tmp_path: Path)
     assert {"upstream:model_parallel", "ours:fsdp2@gpt2", "hand:fsdp2@gpt2", "upstream:model_parallel@gpt2"} <= set(
         results["summary"]["overhead"]["variants"]
     )
+    assert {"ddp", *STRATEGIES, "fsdp"} == set(results["summary"]["memory"])
     # At the smoke size a ratio may be 0 (no memory measurably added) or negative (a resume difference within the
     # noise); it must still be a number.
     not_numbers = [goal for goal in results["goals"] if not math.isfinite(goal["value"])]
