@@ -76,12 +76,44 @@ def gather_full(shard: Tensor, numel: int, group: Any = None) -> Tensor | None:
     destination = dist.get_global_rank(group, 0) if group is not None else 0
     is_destination = dist.get_rank() == destination
     if not is_destination:
-        dist.gather(shard.contiguous(), None, dst=destination, group=group)
+        gather_into(shard.contiguous(), None, destination, group)
         return None
     # The chunks are views of one buffer: the full tensor exists once, not once as chunks and again concatenated.
     full = torch.empty(world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
-    dist.gather(shard.contiguous(), list(full.chunk(world_size)), dst=destination, group=group)
+    gather_into(shard.contiguous(), list(full.chunk(world_size)), destination, group)
     return full[:numel]
+
+
+def gather_into(shard: Tensor, chunks: list[Tensor] | None, destination: int, group: Any = None) -> None:
+    """``dist.gather`` of equal-sized contiguous shards straight into ``chunks`` on ``destination``.
+
+    gloo's gather (CPU tensors) receives into a temporary tensor as large as all chunks together and then copies it
+    into them: a second full copy on the destination for the length of the call. CPU shards are therefore sent
+    point to point, each received directly into its chunk; other devices keep ``dist.gather`` (NCCL receives in
+    place, and point-to-point would open a communicator per pair).
+
+    Args:
+        shard: This rank's contiguous chunk.
+        chunks: On ``destination``, one contiguous tensor per group rank (views of one buffer); ``None`` elsewhere.
+        destination: Global rank that receives.
+        group: The process group (default: the world).
+    """
+    if shard.device.type != "cpu":
+        dist.gather(shard, chunks, dst=destination, group=group)
+        return
+    if chunks is None:
+        dist.send(shard, dst=destination, group=group)
+        return
+    own = dist.get_rank(group)
+    pending = []
+    for source, chunk in enumerate(chunks):
+        if source == own:
+            chunk.copy_(shard)
+        else:
+            pending.append(dist.irecv(chunk, group=group, group_src=source))
+    for work in pending:
+        if work is not None:  # None only on a rank outside the group, which has no chunks to receive
+            work.wait()
 
 
 def gather_to_rank0(value: Tensor) -> Tensor | None:
@@ -117,8 +149,8 @@ def gather_to_rank0(value: Tensor) -> Tensor | None:
         padded[: local.shape[0]].copy_(local)
     destination = dist.get_global_rank(group, 0)
     if dist.get_rank() != destination:
-        dist.gather(padded, None, dst=destination, group=group)
+        gather_into(padded, None, destination, group)
         return None
     full = torch.empty((rows * world_size, *value.shape[1:]), dtype=local.dtype, device=local.device)
-    dist.gather(padded, list(full.chunk(world_size)), dst=destination, group=group)
+    gather_into(padded, list(full.chunk(world_size)), destination, group)
     return full[: value.shape[0]].cpu()
