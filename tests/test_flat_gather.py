@@ -1,5 +1,6 @@
 """Gathers of equal-sized shards to one rank (``gather_full``, ``gather_to_rank0``): exact values on the receiving
-rank only, over the world and over a group that does not start at global rank 0, several gathers in a row."""
+rank only, over the world and over a group that does not start at global rank 0, several gathers in a row; and the
+way back, each rank cutting its part of a full tensor it holds (``local_part_like``) exactly as DTensor shards it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from lightning_strategies.checkpoint.flat import gather_full, gather_to_rank0, shard_size
+from lightning_strategies.checkpoint.flat import gather_full, gather_to_rank0, local_part_like, shard_size
 from tests.ranks import run_as_ranks
 
 WORLD_SIZE = 3
@@ -78,3 +79,41 @@ def test_gather_to_rank0_gives_the_exact_full_dtensor_on_rank_0_only() -> None:
     for rows, gathered in zip((7, 9, 2), ranks[0], strict=True):
         assert gathered == _plain(torch.arange(rows * 3, dtype=torch.float32).view(rows, 3))
     assert ranks[1] == [None, None, None] and ranks[2] == [None, None, None]
+
+
+#: (shape, mesh shape, placements) cut locally: uneven and empty chunks, another dim, a 2-D mesh (HSDP's layout).
+CUTS: list[tuple[tuple[int, ...], tuple[int, ...], list[Any]]] = [
+    ((7, 3), (3,), [Shard(0)]),
+    ((2, 5), (3,), [Shard(0)]),
+    ((4, 8), (3,), [Shard(1)]),
+    ((5,), (3,), [Replicate()]),
+    ((6, 4), (1, 3), [Replicate(), Shard(0)]),
+]
+
+
+def _cuts() -> list[Any]:
+    """Per case: whether the locally cut part equals DTensor's own (scattered) shard, in value, shape and placement."""
+    dist.init_process_group("gloo")
+    results = []
+    for shape, mesh_shape, placements in CUTS:
+        mesh = init_device_mesh("cpu", mesh_shape)
+        full = torch.randn(shape, generator=torch.Generator().manual_seed(len(results)))
+        scattered = distribute_tensor(full, mesh, placements)  # rank 0's values sent to every rank
+        part = local_part_like(full, scattered)
+        results.append(
+            isinstance(part, DTensor)
+            and part.placements == scattered.placements
+            and part.shape == scattered.shape
+            and torch.equal(part.to_local(), scattered.to_local())
+            and part.to_local().untyped_storage().data_ptr() != full.untyped_storage().data_ptr()  # a copy
+        )
+    # Another shape than the DTensor's: not cut (the caller falls back to torch's loader).
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    results.append(local_part_like(torch.zeros(6, 2), distribute_tensor(torch.zeros(6, 3), mesh, [Shard(0)])))
+    dist.destroy_process_group()
+    return results
+
+
+def test_local_part_like_cuts_each_ranks_part_exactly_as_dtensor_shards_it() -> None:
+    for results in run_as_ranks(_cuts, world_size=WORLD_SIZE):
+        assert results == [True] * len(CUTS) + [None]

@@ -127,6 +127,40 @@ def test_resuming_restores_exactly_the_saved_model_and_optimizer_state(
     assert_resume_restores_exactly(tmp_path, saved_by, resumed_by, optimizer)
 
 
+class RowPeakSGD(torch.optim.Optimizer):
+    """SGD that also keeps each row's largest gradient: state of another shape than its parameter."""
+
+    def __init__(self, params: Any, lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                peak = param.grad.abs().amax(dim=-1)
+                state = self.state[param]
+                state["row_peak"] = torch.maximum(state["row_peak"], peak) if "row_peak" in state else peak
+                param.add_(param.grad, alpha=-group["lr"])
+        return loss
+
+
+class RowPeakModel(ConformanceModel):
+    def configure_optimizers(self) -> Any:
+        return RowPeakSGD(self.parameters())
+
+
+def test_optimizer_state_of_another_shape_than_its_parameter_resumes_exactly(tmp_path: Path) -> None:
+    # Each rank cuts its part of the full state it read only where a state tensor has its parameter's shape; other
+    # state goes through torch's loader.
+    assert_resume_restores_exactly(tmp_path, "fsdp2_fork", "fsdp2_fork", cls=RowPeakModel)
+
+
 @pytest.mark.parametrize(("saved_by", "resumed_by"), [*PAIRS[:2], ("fsdp2_fork", "fsdp2_fork")])
 def test_no_loss_spike_and_the_same_weights_as_an_uninterrupted_run(
     tmp_path: Path, saved_by: str, resumed_by: str

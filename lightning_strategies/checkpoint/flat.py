@@ -154,3 +154,51 @@ def gather_to_rank0(value: Tensor) -> Tensor | None:
     full = torch.empty((rows * world_size, *value.shape[1:]), dtype=local.dtype, device=local.device)
     gather_into(padded, list(full.chunk(world_size)), destination, group)
     return full[: value.shape[0]].cpu()
+
+
+def local_part_like(full: Tensor, like: Tensor) -> Tensor | None:
+    """The inverse of :func:`gather_to_rank0` where every rank holds the full tensor (it read a full checkpoint):
+    this rank's part of ``full``, as a DTensor placed like ``like``, cut out here without any communication.
+
+    torch's full state-dict loaders scatter every tensor from rank 0 although each rank has it already; cutting
+    locally sends nothing. The part is a copy on ``like``'s device, so ``full`` can be freed.
+
+    Args:
+        full: The whole tensor (same shape as ``like``), on any device.
+        like: A DTensor whose mesh, placements and local shape the part takes.
+
+    Returns:
+        The part, or ``None`` where this cannot cut it the way ``like`` is sharded (a shape other than ``like``'s, or
+        placements other than ``Shard`` and ``Replicate``, such as tensor parallelism's strided shards): the caller
+        then loads through torch's state-dict API.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(like, DTensor) or full.shape != like.shape:
+        return None
+    mesh = like.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    part = full.detach()
+    for mesh_dim, placement in enumerate(like.placements):
+        if type(placement) is Replicate:
+            continue
+        if type(placement) is not Shard:
+            return None
+        dim = placement.dim % full.ndim
+        # DTensor's Shard splits like torch.chunk; ranks past the last chunk hold an empty part.
+        pieces = torch.chunk(part, mesh.size(mesh_dim), dim=dim)
+        index = coordinate[mesh_dim]
+        part = pieces[index] if index < len(pieces) else part.narrow(dim, 0, 0)
+    local = like.to_local()
+    if part.shape != local.shape:
+        return None
+    return DTensor.from_local(
+        part.to(device=local.device, copy=True),
+        mesh,
+        like.placements,
+        shape=like.shape,
+        stride=like.stride(),
+        run_check=False,
+    )

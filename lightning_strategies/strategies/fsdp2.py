@@ -45,7 +45,7 @@ from lightning_strategies.checkpoint.dcp import (
     dcp_tensor_layout,
     safe_dcp_load,
 )
-from lightning_strategies.checkpoint.flat import gather_to_rank0
+from lightning_strategies.checkpoint.flat import gather_to_rank0, local_part_like
 from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed
 from lightning_strategies.checkpoint.sharded import ShardedCheckpoint, open_sharded, read_dcp_files, sharded_directory
 
@@ -74,6 +74,23 @@ _REFUSED_OPTIMIZER_NEEDS = {
 
 def _is_sharded(module: Module) -> bool:
     return isinstance(module, FSDPModule)
+
+
+def _local_parts(full: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``full``'s values with each tensor whose counterpart in ``current`` is a DTensor cut to this rank's part
+    (:func:`local_part_like`); 0-dim tensors (an optimizer's step) and values without a DTensor counterpart stay as
+    they are. ``None`` if a tensor cannot be cut locally."""
+    parts: dict[str, Any] = {}
+    for key, value in full.items():
+        like = current.get(key)
+        if isinstance(value, Tensor) and value.ndim > 0 and isinstance(like, DTensor):
+            part = local_part_like(value, like)
+            if part is None:
+                return None
+            parts[key] = part
+        else:
+            parts[key] = value
+    return parts
 
 
 class FSDP2Strategy(DirectReferenceStrategy):
@@ -341,8 +358,12 @@ class FSDP2Strategy(DirectReferenceStrategy):
     @override
     def _load_canonical_model_state(self, state: Mapping[str, Any], strict: bool) -> None:
         check_model_state(self._expected_model_state(), state, strict=strict, source=self._checkpoint_source)
-        options = StateDictOptions(full_state_dict=True, strict=strict)
-        set_model_state_dict(self.require_lightning_module(), dict(state), options=options)
+        module = self.require_lightning_module()
+        local = _local_parts(state, get_model_state_dict(module))
+        if local is None:  # a layout cut_locally does not know: torch's full loader (it scatters from rank 0)
+            set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
+            return
+        set_model_state_dict(module, local, options=StateDictOptions(strict=strict))
 
     # ------------------------------------------------------------------ optimizer state
 
@@ -375,6 +396,16 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     @override
     def _load_canonical_optimizer_state(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
+        # Every rank read the whole state: each cuts its parts and the optimizer loads them in its own layout (torch's
+        # full loader would scatter every tensor from rank 0 and first step the optimizer once to create its state).
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        parts = {
+            index: _local_parts(entries, {key: params[int(index)] for key in entries})
+            for index, entries in state["state"].items()
+        }
+        if all(part is not None for part in parts.values()):
+            optimizer.load_state_dict({"state": parts, "param_groups": state["param_groups"]})
+            return
         names = [name for group in self._names(optimizer) for name in group]
         by_name = canonical_to_name_keyed(state, names)
         set_optimizer_state_dict(
