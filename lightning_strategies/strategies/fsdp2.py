@@ -360,7 +360,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         check_model_state(self._expected_model_state(), state, strict=strict, source=self._checkpoint_source)
         module = self.require_lightning_module()
         local = _local_parts(state, get_model_state_dict(module))
-        if local is None:  # a layout cut_locally does not know: torch's full loader (it scatters from rank 0)
+        if local is None:  # a layout local_part_like does not cut: torch's full loader (it scatters from rank 0)
             set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
             return
         set_model_state_dict(module, local, options=StateDictOptions(strict=strict))
