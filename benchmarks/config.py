@@ -43,6 +43,11 @@ UPSTREAM_PAIRS: dict[str, dict[str, tuple[str, str]]] = {
 }
 
 
+def upstream_results_key(model: str) -> str:
+    """Where a benchmark's results hold the comparison with upstream on ``model`` (the MLP's key predates GPT-2's)."""
+    return "vs_upstream" if model == "mlp" else f"vs_upstream_{model}"
+
+
 def is_model_parallel(strategy: str) -> bool:
     """Whether a benchmark's strategy name is upstream's ``ModelParallelStrategy``."""
     return strategy in (MODEL_PARALLEL, MODEL_PARALLEL_FULL)
@@ -76,6 +81,8 @@ class Config:
         scaling_repeats: Save/load repeats per model size.
         overhead_models: Models of the overhead benchmark: ``mlp`` (every strategy, hand loops, upstream ``ddp``
             and ``ModelParallelStrategy``) and ``gpt2`` (``fsdp2``, its hand loop and ``ModelParallelStrategy``).
+        upstream_checkpoint_models: Models of the save and resume comparisons against upstream's strategies:
+            ``mlp`` and ``gpt2``.
         gpt2_vocab: Vocabulary of the overhead benchmark's GPT-2.
         gpt2_width: Embedding width (``n_embd``) of the GPT-2.
         gpt2_layers: Transformer blocks of the GPT-2.
@@ -97,6 +104,7 @@ class Config:
     scaling_width: int = 1024
     scaling_repeats: int = 2
     overhead_models: tuple[str, ...] = MODELS
+    upstream_checkpoint_models: tuple[str, ...] = MODELS
     gpt2_vocab: int = 8192
     gpt2_width: int = 256
     gpt2_layers: int = 6

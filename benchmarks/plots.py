@@ -131,7 +131,7 @@ def plot_save(summary: dict[str, Any], path: Path) -> None:
     figure, axes = plt.subplots(1, 3 if upstream else 2, figsize=(15 if upstream else 10, 4))
     left, right = axes[0], axes[1]
     if upstream:
-        _against_upstream(axes[2], upstream, "seconds", "Save, fsdp2 vs upstream strategies")
+        _against_upstream(axes[2], upstream, "seconds", "Save (MLP), fsdp2 vs upstream strategies")
     _bars(
         left,
         strategies,
@@ -174,7 +174,7 @@ def plot_resume(summary: dict[str, Any], path: Path) -> None:
     figure, panels = plt.subplots(1, 2 if upstream else 1, figsize=(12 if upstream else 7, 4), squeeze=False)
     axes = panels[0][0]
     if upstream:
-        _against_upstream(panels[0][1], upstream, None, "Resumed fit to first step, fsdp2 vs upstream")
+        _against_upstream(panels[0][1], upstream, None, "Resumed fit to first step (MLP), fsdp2 vs upstream")
     _bars(
         axes,
         strategies,

@@ -8,7 +8,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .config import MODEL_PARALLEL, UPSTREAM_FSDP, UPSTREAM_LABELS, UPSTREAM_PAIRS, UPSTREAM_PEER, Config
+from .config import (
+    MODEL_PARALLEL,
+    UPSTREAM_FSDP,
+    UPSTREAM_LABELS,
+    UPSTREAM_PAIRS,
+    UPSTREAM_PEER,
+    Config,
+    upstream_results_key,
+)
 
 
 @dataclass(frozen=True)
@@ -195,9 +203,33 @@ def summarize_save(ranks: Sequence[dict[str, Any]], config: Config, goals: list[
             )
         )
         summary[strategy] = rows
-    if "vs_upstream" in per_rank[0]:
-        summary[UPSTREAM_PEER]["vs_upstream"] = _save_vs_upstream([rank["vs_upstream"] for rank in per_rank], goals)
+    for model, key in _upstream_keys(per_rank[0]):
+        summary[UPSTREAM_PEER][key] = _save_vs_upstream([rank[key] for rank in per_rank], goals, model)
     return summary
+
+
+#: The model column of the tables against upstream.
+MODEL_NAMES = {"mlp": "MLP", "gpt2": "GPT-2"}
+
+
+def _upstream_rows(benchmark: dict[str, Any]) -> list[tuple[str, str, str, dict[str, Any]]]:
+    """``(model, upstream strategy, checkpoint kind, row)`` of a save or resume summary's comparisons with upstream."""
+    compared = benchmark.get(UPSTREAM_PEER, {})
+    return [
+        (MODEL_NAMES[model], peer, kind, row)
+        for model in MODEL_NAMES
+        for peer, kinds in compared.get(upstream_results_key(model), {}).items()
+        for kind, row in kinds.items()
+    ]
+
+
+#: How a figure against upstream names its model (the MLP's figures keep their names from before GPT-2's).
+MODEL_PREFIXES = {"mlp": "", "gpt2": "GPT-2 "}
+
+
+def _upstream_keys(results: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(model, key)`` of each comparison with upstream in one rank's results of a benchmark."""
+    return [(model, upstream_results_key(model)) for model in MODEL_PREFIXES if upstream_results_key(model) in results]
 
 
 #: Peak RSS below this counts as this much in ratios against upstream: at small sizes both sides add nothing
@@ -220,13 +252,14 @@ def _rss_ratio(ours: float, upstream: float) -> float:
     return _ratio(max(ours, RSS_FLOOR_BYTES), max(upstream, RSS_FLOOR_BYTES))
 
 
-def _save_vs_upstream(per_rank: Sequence[dict[str, Any]], goals: list[Goal]) -> dict[str, Any]:
-    """``fsdp2`` against each upstream strategy of :data:`UPSTREAM_PAIRS`, per checkpoint kind: save time and peak
-    RSS added. Keyed by upstream strategy, then checkpoint kind."""
+def _save_vs_upstream(per_rank: Sequence[dict[str, Any]], goals: list[Goal], model: str) -> dict[str, Any]:
+    """``fsdp2`` against each upstream strategy of :data:`UPSTREAM_PAIRS` on ``model``, per checkpoint kind: save
+    time and peak RSS added. Keyed by upstream strategy, then checkpoint kind."""
     summary: dict[str, Any] = {}
     for peer, pairs in UPSTREAM_PAIRS.items():
         summary[peer] = {
-            kind: _save_pair(per_rank, names, UPSTREAM_LABELS[peer], kind, goals) for kind, names in pairs.items()
+            kind: _save_pair(per_rank, names, UPSTREAM_LABELS[peer], MODEL_PREFIXES[model] + kind, goals)
+            for kind, names in pairs.items()
         }
     return summary
 
@@ -258,9 +291,9 @@ def _save_pair(
     return rows
 
 
-def _resume_vs_upstream(per_rank: Sequence[dict[str, Any]], goals: list[Goal]) -> dict[str, Any]:
-    """Resumed fit to first step, ``fsdp2`` against each upstream strategy of :data:`UPSTREAM_PAIRS`, per checkpoint
-    kind. Keyed by upstream strategy, then checkpoint kind."""
+def _resume_vs_upstream(per_rank: Sequence[dict[str, Any]], goals: list[Goal], model: str) -> dict[str, Any]:
+    """Resumed fit of ``model`` to first step, ``fsdp2`` against each upstream strategy of :data:`UPSTREAM_PAIRS`,
+    per checkpoint kind. Keyed by upstream strategy, then checkpoint kind."""
     summary: dict[str, Any] = {}
     for peer, pairs in UPSTREAM_PAIRS.items():
         summary[peer] = {}
@@ -272,7 +305,8 @@ def _resume_vs_upstream(per_rank: Sequence[dict[str, Any]], goals: list[Goal]) -
                 Goal(
                     "resume",
                     UPSTREAM_PEER,
-                    f"{kind} checkpoint: resumed fit to first step, ours / {UPSTREAM_LABELS[peer]}",
+                    f"{MODEL_PREFIXES[model]}{kind} checkpoint: resumed fit to first step, ours"
+                    f" / {UPSTREAM_LABELS[peer]}",
                     ratio,
                     1.0,
                 )
@@ -293,8 +327,8 @@ def summarize_resume(ranks: Sequence[dict[str, Any]], config: Config, goals: lis
         rows["ratio"] = _ratio(rows["resume_minus_fresh"]["median"], rows["hand"]["median"])
         goals.append(Goal("resume", strategy, "(resumed - fresh first-step latency) / hand load", rows["ratio"], 1.2))
         summary[strategy] = rows
-    if "vs_upstream" in per_rank[0]:
-        summary[UPSTREAM_PEER]["vs_upstream"] = _resume_vs_upstream([rank["vs_upstream"] for rank in per_rank], goals)
+    for model, key in _upstream_keys(per_rank[0]):
+        summary[UPSTREAM_PEER][key] = _resume_vs_upstream([rank[key] for rank in per_rank], goals, model)
     return summary
 
 
@@ -454,22 +488,22 @@ def details_markdown(summary: dict[str, Any]) -> str:
                 f" {rss(row['hand'])} |"
             )
         parts.append("**Full checkpoint save**\n\n" + "\n".join(lines))
-        upstream_saves = summary["save"].get(UPSTREAM_PEER, {}).get("vs_upstream")
+        upstream_saves = _upstream_rows(summary["save"])
         if upstream_saves:
             lines = [
-                "| upstream | checkpoint | strategies (ours / upstream) | ours ms | upstream ms"
+                "| model | upstream | checkpoint | strategies (ours / upstream) | ours ms | upstream ms"
                 " | MB on disk, ours / upstream | RSS added rank 0 / rank 1 MB, ours | upstream |",
-                "|---|---|---|---|---|---|---|---|",
+                "|---|---|---|---|---|---|---|---|---|",
             ]
-            for peer, kinds in upstream_saves.items():
-                for kind, row in kinds.items():
-                    ours, upstream = row["ours"], row["upstream"]
-                    lines.append(
-                        f"| {_peer_name(peer)} | {kind} | {' / '.join(f'`{name}`' for name in row['strategies'])} |"
-                        f" {span(ours['seconds'])} | {span(upstream['seconds'])} |"
-                        f" {ours['checkpoint_bytes'] / 1e6:.1f} / {upstream['checkpoint_bytes'] / 1e6:.1f} |"
-                        f" {rss(ours)} | {rss(upstream)} |"
-                    )
+            for model, peer, kind, row in upstream_saves:
+                ours, upstream = row["ours"], row["upstream"]
+                lines.append(
+                    f"| {model} | {_peer_name(peer)} | {kind} |"
+                    f" {' / '.join(f'`{name}`' for name in row['strategies'])} |"
+                    f" {span(ours['seconds'])} | {span(upstream['seconds'])} |"
+                    f" {ours['checkpoint_bytes'] / 1e6:.1f} / {upstream['checkpoint_bytes'] / 1e6:.1f} |"
+                    f" {rss(ours)} | {rss(upstream)} |"
+                )
             parts.append(f"**Save against {_peers()}**\n\n" + "\n".join(lines))
     if "resume" in summary:
         lines = [
@@ -479,19 +513,19 @@ def details_markdown(summary: dict[str, Any]) -> str:
         for strategy, row in summary["resume"].items():
             lines.append(f"| `{strategy}` | {span(row['fresh'])} | {span(row['resume'])} | {span(row['hand'])} |")
         parts.append("**Resume**\n\n" + "\n".join(lines))
-        upstream_resumes = summary["resume"].get(UPSTREAM_PEER, {}).get("vs_upstream")
+        upstream_resumes = _upstream_rows(summary["resume"])
         if upstream_resumes:
             lines = [
-                "| upstream | checkpoint | strategies (ours / upstream) | ours: resumed fit → first step ms"
+                "| model | upstream | checkpoint | strategies (ours / upstream) | ours: resumed fit → first step ms"
                 " | upstream ms |",
-                "|---|---|---|---|---|",
+                "|---|---|---|---|---|---|",
             ]
-            for peer, kinds in upstream_resumes.items():
-                for kind, row in kinds.items():
-                    names = " / ".join(f"`{name}`" for name in row["strategies"])
-                    lines.append(
-                        f"| {_peer_name(peer)} | {kind} | {names} | {span(row['ours'])} | {span(row['upstream'])} |"
-                    )
+            for model, peer, kind, row in upstream_resumes:
+                names = " / ".join(f"`{name}`" for name in row["strategies"])
+                lines.append(
+                    f"| {model} | {_peer_name(peer)} | {kind} | {names} | {span(row['ours'])} |"
+                    f" {span(row['upstream'])} |"
+                )
             parts.append(f"**Resume against {_peers()}**\n\n" + "\n".join(lines))
     if "memory" in summary:
         lines = ["| strategy | rank 0 params / grads / optimizer MB | total MB per rank |", "|---|---|---|"]

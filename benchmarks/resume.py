@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import by_hand
-from .config import UPSTREAM_PEER, Config, shards_itself
+from .config import UPSTREAM_PEER, Config, shards_itself, upstream_results_key
 from .lightning_side import FirstStepLatency, strategy_for, trainer
 from .measure import barrier, release_free_memory, timed
 from .models import lightning_loader, new_model, workload
@@ -25,8 +25,8 @@ from .save import (
 )
 
 
-def _first_step_latency(config: Config, strategy: str, checkpoint: Path | None) -> float:
-    work = workload(config)
+def _first_step_latency(config: Config, strategy: str, checkpoint: Path | None, model: str = "mlp") -> float:
+    work = workload(config, model)
     data = work.data(work.batch_size * dist.get_world_size() * SAVE_STEPS)
     # Other weights than saved (seed 8): a resume must change them.
     model = work.new_model(seed=8, shards_itself=shards_itself(strategy))
@@ -69,21 +69,23 @@ def run(config: Config, workdir: Path) -> dict[str, Any]:
                     samples[side].append(_first_step_latency(config, strategy, ours if side == "resume" else None))
         results[strategy] = samples
     if UPSTREAM_PEER in config.strategies:
-        results["vs_upstream"] = resume_against_upstream(config, workdir)
+        for model in config.upstream_checkpoint_models:
+            results[upstream_results_key(model)] = resume_against_upstream(config, workdir, model)
     return results
 
 
-def resume_against_upstream(config: Config, workdir: Path) -> dict[str, list[float]]:
-    """Resumed fit to first step for each strategy of ``save.UPSTREAM_PAIRS`` from its own checkpoint (saved by the
-    save benchmark, or here when it did not run), ``config.repeats`` times in an order that rotates each repeat."""
+def resume_against_upstream(config: Config, workdir: Path, model: str = "mlp") -> dict[str, list[float]]:
+    """Resumed fit of ``model`` to first step for each strategy of ``save.UPSTREAM_PAIRS`` from its own checkpoint
+    (saved by the save benchmark, or here when it did not run), ``config.repeats`` times in an order that rotates
+    each repeat."""
     names = upstream_pair_names()
     for name in names:
-        path = upstream_pair_path(workdir, name)
+        path = upstream_pair_path(workdir, name, model)
         if not path.exists():
-            save_once(config, name, path)
+            save_once(config, name, path, model)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for repeat in range(config.repeats):
         shift = repeat % len(names)
         for name in names[shift:] + names[:shift]:
-            samples[name].append(_first_step_latency(config, name, upstream_pair_path(workdir, name)))
+            samples[name].append(_first_step_latency(config, name, upstream_pair_path(workdir, name, model), model))
     return samples

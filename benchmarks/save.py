@@ -12,7 +12,7 @@ import pytorch_lightning as pl
 import torch.distributed as dist
 
 from . import by_hand
-from .config import UPSTREAM_PAIRS, UPSTREAM_PEER, Config, shards_itself
+from .config import UPSTREAM_PAIRS, UPSTREAM_PEER, Config, shards_itself, upstream_results_key
 from .lightning_side import strategy_for, trainer, wrapped_by_strategy
 from .measure import barrier, timed_with_peak
 from .models import dataset, lightning_loader, new_model, workload
@@ -74,11 +74,11 @@ def upstream_pair_names() -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def upstream_pair_path(workdir: Path, strategy: str) -> Path:
-    """Where ``strategy`` of :data:`UPSTREAM_PAIRS` saves its checkpoint (a file or a directory)."""
+def upstream_pair_path(workdir: Path, strategy: str, model: str = "mlp") -> Path:
+    """Where ``strategy`` of :data:`UPSTREAM_PAIRS` saves its checkpoint of ``model`` (a file or a directory)."""
     directory = workdir / "checkpoints"
     directory.mkdir(parents=True, exist_ok=True)
-    return directory / f"pair-{strategy}.ckpt"
+    return directory / f"pair-{model}-{strategy}.ckpt"
 
 
 def bytes_on_disk(path: Path) -> int:
@@ -110,9 +110,9 @@ class _SaveOnce(pl.Callback):
         self.sample = {"seconds": seconds, "rss_added_bytes": float(added)}
 
 
-def save_once(config: Config, strategy: str, path: Path) -> dict[str, float]:
-    """Trains ``SAVE_STEPS`` steps of the MLP with ``strategy`` (a name of :data:`UPSTREAM_PAIRS`) and saves once."""
-    work = workload(config)
+def save_once(config: Config, strategy: str, path: Path, model: str = "mlp") -> dict[str, float]:
+    """Trains ``SAVE_STEPS`` steps of ``model`` with ``strategy`` (a name of :data:`UPSTREAM_PAIRS`) and saves once."""
+    work = workload(config, model)
     data = work.data(work.batch_size * dist.get_world_size() * SAVE_STEPS)
     model = work.new_model(shards_itself=shards_itself(strategy))
     saver = _SaveOnce(path)
@@ -123,22 +123,24 @@ def save_once(config: Config, strategy: str, path: Path) -> dict[str, float]:
     return saver.sample
 
 
-def save_against_upstream(config: Config, workdir: Path) -> dict[str, Any]:
-    """One fit and save per strategy of :data:`UPSTREAM_PAIRS` and repeat, in an order that rotates each repeat."""
+def save_against_upstream(config: Config, workdir: Path, model: str = "mlp") -> dict[str, Any]:
+    """One fit of ``model`` and save per strategy of :data:`UPSTREAM_PAIRS` and repeat, in an order that rotates each
+    repeat."""
     names = upstream_pair_names()
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for repeat in range(config.repeats):
         shift = repeat % len(names)
         for name in names[shift:] + names[:shift]:
-            samples[name].append(save_once(config, name, upstream_pair_path(workdir, name)))
-    sizes = {name: bytes_on_disk(upstream_pair_path(workdir, name)) for name in names}
+            samples[name].append(save_once(config, name, upstream_pair_path(workdir, name, model), model))
+    sizes = {name: bytes_on_disk(upstream_pair_path(workdir, name, model)) for name in names}
     return {"samples": samples, "checkpoint_bytes": sizes}
 
 
 def run(config: Config, workdir: Path) -> dict[str, Any]:
-    """Save timings and peak RSS per strategy (and ``vs_upstream``, every strategy of :data:`UPSTREAM_PAIRS`, when
-    ``fsdp2`` is compared)."""
+    """Save timings and peak RSS per strategy (and, when ``fsdp2`` is compared, every strategy of
+    :data:`UPSTREAM_PAIRS` on each model of ``config.upstream_checkpoint_models``, see :func:`upstream_results_key`)."""
     results = {strategy: save_checkpoints(config, strategy, workdir, config.repeats) for strategy in config.strategies}
     if UPSTREAM_PEER in config.strategies:
-        results["vs_upstream"] = save_against_upstream(config, workdir)
+        for model in config.upstream_checkpoint_models:
+            results[upstream_results_key(model)] = save_against_upstream(config, workdir, model)
     return results

@@ -13,8 +13,8 @@ from benchmarks.config import BENCHMARKS, STRATEGIES
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = "upstream ModelParallelStrategy"
 UPSTREAM_FSDP = "upstream FSDPStrategy"
-#: fsdp2 against upstream's ModelParallelStrategy (step time and model state) and FSDPStrategy (model state) and, on
-#: GPT-2, against its hand-written loop.
+#: fsdp2 against upstream's ModelParallelStrategy (step time and model state) and FSDPStrategy (model state), on the
+#: MLP and on GPT-2, and, on GPT-2, against its hand-written loop.
 UPSTREAM_FIGURES = {
     ("overhead", f"MLP step time, ours / {UPSTREAM}"),
     ("overhead", "GPT-2 step time, Trainer / hand loop"),
@@ -23,7 +23,7 @@ UPSTREAM_FIGURES = {
     *(
         figure
         for peer in (UPSTREAM, UPSTREAM_FSDP)
-        for kind in ("full", "sharded")
+        for kind in ("full", "sharded", "GPT-2 full", "GPT-2 sharded")
         for figure in (
             ("save", f"{kind} checkpoint save time, ours / {peer}"),
             ("save", f"{kind} checkpoint: peak RSS added on rank 0, ours / {peer}"),
