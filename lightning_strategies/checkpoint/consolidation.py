@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint._traverse import set_element
 
 from lightning_strategies.checkpoint.dcp import DcpLayout, dcp_tensor_count, iter_dcp_items
 from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError
@@ -265,8 +266,8 @@ def _dcp(sharded: ShardedCheckpoint, tally: TallyFactory) -> tuple[dict[str, Any
     optimizers: dict[int, dict[str, Any]] = {}
     for key, value in values.items():
         path = paths.get(key, tuple(key.split(".", 1)))
-        if path[0] == layout.model_key and len(path) == 2:
-            state[str(path[1])] = value
+        if path[0] == layout.model_key and len(path) >= 2:  # deeper: a module's extra state, flattened by DCP
+            set_element(state, (str(path[1]), *path[2:]), value)
             continue
         optimizer_index = layout.optimizer_index(str(path[0]))
         if optimizer_index is None or len(path) != 4 or path[1] not in ("state", "param_groups"):

@@ -307,6 +307,25 @@ def dcp_tensor_layout(metadata: Metadata, prefix: str) -> dict[str, Tensor]:
     }
 
 
+def dcp_model_layout(metadata: Metadata, model_key: str) -> dict[str, Any]:
+    """Every entry of the model state under ``model_key``: its tensors as :func:`dcp_tensor_layout` gives them, and
+    each entry stored as objects (a module's ``get_extra_state``) as the string ``"<object>"``.
+
+    DCP flattens an object entry that is a dict into one item per leaf (``"counter._extra_state.seen"``); the
+    planner data of the metadata maps each item back to its path, whose second element is the model state's key.
+    """
+    prefix = f"{model_key}."
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    objects: dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if not key.startswith(prefix) or isinstance(item, TensorStorageMetadata):
+            continue
+        path = paths.get(key)
+        name = path[1] if isinstance(path, tuple) and len(path) > 1 and path[0] == model_key else None
+        objects[name if isinstance(name, str) else key.removeprefix(prefix)] = "<object>"
+    return {**objects, **dcp_tensor_layout(metadata, prefix)}
+
+
 def safe_dcp_load(state: dict[str, Any], directory: Path, *, flatten: bool = True, no_dist: bool = False) -> None:
     """``torch.distributed.checkpoint.load`` through :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner`.
 

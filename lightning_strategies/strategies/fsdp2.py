@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
+from itertools import chain
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,7 +44,7 @@ from lightning_strategies.checkpoint.dcp import (
     DcpLayout,
     check_dcp_optimizer_states,
     dcp_stamps,
-    dcp_tensor_layout,
+    dcp_model_layout,
     safe_dcp_load,
 )
 from lightning_strategies.checkpoint.flat import gather_to_rank0, local_part_like
@@ -91,6 +93,45 @@ def _local_parts(full: Mapping[str, Any], current: Mapping[str, Any]) -> dict[st
         else:
             parts[key] = value
     return parts
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@torch.no_grad()
+def _load_into_module(module: Module, state: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """Puts ``state`` (each tensor of its local shape, keys checked against the module) into ``module``.
+
+    ``current`` is ``get_model_state_dict(module)``: with torch's default options its tensors are the module's own
+    sharded parameters and buffers (``nn.Module.state_dict`` returns references), so each tensor of ``state`` is copied
+    into its shard in place, and one that is that storage already (DCP loaded into it) is left alone. The rest (a
+    value that is not a tensor, an entry the module's storage does not back) goes through ``set_model_state_dict``,
+    whose per-module hooks and key mapping cost about 50 ms on a GPT-2 of 6.9 M parameters.
+    """
+    own_storage = {_local(tensor).data_ptr() for tensor in chain(module.parameters(), module.buffers())}
+    rest: dict[str, Any] = {}
+    for key, value in state.items():
+        target = current.get(key)
+        if isinstance(value, Tensor) and isinstance(target, Tensor):
+            local = _local(target)
+            if local.data_ptr() in own_storage and _local(value).shape == local.shape:
+                if value is not target:
+                    local.copy_(_local(value))
+                continue
+        rest[key] = value
+    if rest:
+        set_model_state_dict(module, rest, options=StateDictOptions(strict=False))
+
+
+@dataclass
+class _DcpRestore:
+    """A sharded (DCP) checkpoint being restored: its directory, its validated metadata and, once the optimizer
+    states were checked against them, the templates they load into (building them steps every optimizer once)."""
+
+    sharded: ShardedCheckpoint
+    stored: Metadata
+    optimizer_templates: list[dict[str, Any]] | None = None
 
 
 class FSDP2Strategy(DirectReferenceStrategy):
@@ -181,7 +222,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         self._state_dict_type = state_dict_type
         self._broadcast_buffers = broadcast_buffers
         self._device_mesh: DeviceMesh | None = None
-        self._sharded_checkpoint: tuple[ShardedCheckpoint, Metadata] | None = None
+        self._sharded_checkpoint: _DcpRestore | None = None
         self._routing: SubmoduleCallRouting | None = None
 
     # ------------------------------------------------------------------ environment and sharding
@@ -347,23 +388,24 @@ class FSDP2Strategy(DirectReferenceStrategy):
             return dict(get_model_state_dict(self.require_lightning_module()))
         return super().lightning_module_state_dict()
 
-    def _expected_model_state(self) -> dict[str, Tensor]:
-        """Canonical keys with meta tensors of the global shapes (a DTensor's shape is the global one)."""
+    def _expected_model_state(self) -> dict[str, Any]:
+        """Canonical keys with meta tensors of the global shapes (a DTensor's shape is the global one); entries that
+        are not tensors (``get_extra_state``) as they are."""
         return {
-            key: torch.empty(value.shape, dtype=value.dtype, device="meta")
+            key: torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, Tensor) else value
             for key, value in self.require_lightning_module().state_dict().items()
-            if isinstance(value, Tensor)
         }
 
     @override
     def _load_canonical_model_state(self, state: Mapping[str, Any], strict: bool) -> None:
         check_model_state(self._expected_model_state(), state, strict=strict, source=self._checkpoint_source)
         module = self.require_lightning_module()
-        local = _local_parts(state, get_model_state_dict(module))
+        current = get_model_state_dict(module)
+        local = _local_parts(state, current)
         if local is None:  # a layout local_part_like does not cut: torch's full loader (it scatters from rank 0)
             set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
             return
-        set_model_state_dict(module, local, options=StateDictOptions(strict=strict))
+        _load_into_module(module, local, current)
 
     # ------------------------------------------------------------------ optimizer state
 
@@ -400,7 +442,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         # full loader would scatter every tensor from rank 0 and first step the optimizer once to create its state).
         params = [param for group in optimizer.param_groups for param in group["params"]]
         parts = {
-            index: _local_parts(entries, {key: params[int(index)] for key in entries})
+            index: _local_parts(entries, dict.fromkeys(entries, params[int(index)]))
             for index, entries in state["state"].items()
         }
         if all(part is not None for part in parts.values()):
@@ -463,7 +505,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
             self._sharded_checkpoint = None
             return self._load_consolidated(sharded)
         # .metadata read without running code; every .distcp file there, whole, and of this save.
-        self._sharded_checkpoint = (sharded, read_dcp_files(sharded))
+        self._sharded_checkpoint = _DcpRestore(sharded, read_dcp_files(sharded))
         # Lightning checks that optimizer states exist before asking the strategy to load them.
         return {**sharded.meta, "state_dict": {}, "optimizer_states": []}
 
@@ -472,34 +514,38 @@ class FSDP2Strategy(DirectReferenceStrategy):
         if self._sharded_checkpoint is None:
             super().load_model_state_dict(checkpoint, strict)
             return
-        sharded, stored = self._sharded_checkpoint
+        restore = self._sharded_checkpoint
+        sharded, stored = restore.sharded, restore.stored
         module = self.require_lightning_module()
         # Validated completely before any weight changes: DCP itself ignores keys the model lacks (an extra submodule
         # under strict loading) and would load the weights before finding that the optimizer state does not fit.
         layout = DcpLayout.of(stored, sharded.source)
-        saved_model = dcp_tensor_layout(stored, f"{layout.model_key}.")
+        saved_model = dcp_model_layout(stored, layout.model_key)
         check_model_state(
             self._expected_model_state(), saved_model, strict=strict, source=sharded.source, shapes_only=True
         )
         if self._restoring_sharded_optimizer_states(checkpoint):
             optimizers = self._raw_optimizers()
-            templates = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
-            check_dcp_optimizer_states(templates, stored, layout, source=sharded.source)
-        model_state = {key: value for key, value in get_model_state_dict(module).items() if key in saved_model}
-        safe_dcp_load({layout.model_key: model_state}, sharded.directory)  # reshards to this world size
-        set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict))
+            restore.optimizer_templates = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
+            check_dcp_optimizer_states(restore.optimizer_templates, stored, layout, source=sharded.source)
+        current = get_model_state_dict(module)
+        model_state = {key: value for key, value in current.items() if key in saved_model}
+        safe_dcp_load({layout.model_key: model_state}, sharded.directory)  # in place, resharded to this world size
+        _load_into_module(module, model_state, current)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._sharded_checkpoint is None:
             super().load_optimizer_state_dict(checkpoint)
             return
-        sharded, stored = self._sharded_checkpoint
-        layout = DcpLayout.of(stored, sharded.source)
+        restore = self._sharded_checkpoint
+        layout = DcpLayout.of(restore.stored, restore.sharded.source)
         module = self.require_lightning_module()
         optimizers = self._raw_optimizers()
-        templates = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
-        safe_dcp_load({layout.optimizer_key(i): template for i, template in enumerate(templates)}, sharded.directory)
+        # The templates the check built: the optimizers' states, which the model's load left as they were.
+        templates = restore.optimizer_templates or [get_optimizer_state_dict(module, opt) for opt in optimizers]
+        directory = restore.sharded.directory
+        safe_dcp_load({layout.optimizer_key(i): template for i, template in enumerate(templates)}, directory)
         for optimizer, state in zip(optimizers, templates, strict=True):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state)
         self._sharded_checkpoint = None
