@@ -20,7 +20,6 @@ from tests.helpers import (
     assert_resume_continues_the_run,
     assert_resume_restores_exactly,
     assert_same_weights,
-    canonical_checkpoint,
     fit,
     new_model,
 )
@@ -263,37 +262,3 @@ def test_a_step_that_uses_parameters_without_calling_their_module_fails_with_the
     ):
         fit(strategy, new_model(cls=_StepUsingParametersWithoutCallingAModule), max_epochs=1)
 
-
-class StepCounter(torch.nn.Module):
-    """Holds state that is not a tensor (``get_extra_state``): the number of training forwards it saw."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen = 0
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        self.seen += int(self.training)
-        return inputs
-
-    def get_extra_state(self) -> dict[str, int]:
-        return {"seen": self.seen}
-
-    def set_extra_state(self, state: dict[str, int]) -> None:
-        self.seen = state["seen"]
-
-
-class StepCountingModel(ConformanceModel):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.counter = StepCounter()
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return super().forward(self.counter(inputs))
-
-
-@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
-def test_state_that_is_not_a_tensor_resumes_exactly(tmp_path: Path, state_dict_type: str) -> None:
-    # Tensors are copied into the module's own shards in place; anything else goes through torch's loader.
-    strategy = lambda: fsdp2(state_dict_type=state_dict_type)  # noqa: E731
-    saved, restored = assert_resume_restores_exactly(tmp_path, strategy(), strategy(), cls=StepCountingModel)
-    assert canonical_checkpoint(restored)["state_dict"]["counter._extra_state"]["seen"] > 0  # not a fresh counter

@@ -43,6 +43,7 @@ from lightning_strategies.checkpoint.flat_layout import (
     canonical_name,
     flat_units,
     fsdp_instances,
+    join_name,
     optimizer_layout,
     parameter_names,
     persistent_buffers,
@@ -472,9 +473,14 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
 
     # ------------------------------------------------------------------ model state
 
-    def _expected_model_state(self) -> dict[str, Tensor]:
-        """Canonical keys with meta tensors of the canonical shapes and dtypes (no memory, no collective)."""
-        expected: dict[str, Tensor] = {}
+    def _expected_model_state(self) -> dict[str, Any]:
+        """Canonical keys with meta tensors of the canonical shapes and dtypes (no memory, no collective); a module's
+        extra state (``get_extra_state``) as it is now."""
+        expected: dict[str, Any] = {
+            join_name(canonical_name(name), "_extra_state"): module.get_extra_state()
+            for name, module in self._root().named_modules()
+            if type(module).get_extra_state is not Module.get_extra_state
+        }
         for unit in self._units:
             for name, shape in zip(unit.names, unit.shapes, strict=True):
                 expected[name] = torch.empty(shape, dtype=unit.param.dtype, device="meta")
@@ -495,7 +501,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             # Extra state is only known to the modules' own state_dict, and a shard of a smaller group may not reach
             # global rank 0: both are gathered through the root wrapper.
             with self._guarding_views():
-                return to_cpu_state(root.state_dict()) if self.is_global_zero else {}
+                gathered = root.state_dict()  # a collective: every rank calls it
+            return to_cpu_state(gathered) if self.is_global_zero else {}
         # Each flat shard is gathered to rank 0 only and cut into the parameters it holds (fairscale's state_dict
         # would gather every full parameter on every rank); buffers are whole on every rank.
         state: dict[str, Any] = {}
@@ -703,10 +710,9 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
                     " parameters); nothing was loaded. Use the same auto_wrap_min_params, flatten_parameters,"
                     " configure_model and configure_optimizers as the run that saved it, or consolidate it."
                 )
-            local = {
-                key: torch.empty(value.shape, dtype=value.dtype, device="meta")
+            local = {  # entries that are not tensors (a module's extra state) as they are
+                key: torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, Tensor) else value
                 for key, value in self._root().local_state_dict().items()
-                if isinstance(value, Tensor)
             }
             check_model_state(local, checkpoint.get("state_dict", {}), strict=True, source=where)
             if self._restoring_sharded_optimizer_states(checkpoint):

@@ -14,6 +14,7 @@ from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
+from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -78,6 +79,15 @@ class _TensorDescription(NamedTuple):
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+@torch.no_grad()
+def _broadcast_tensors_from_rank0(module: Module, group: Any = None) -> None:
+    """Gives every rank of ``group`` (default: all) its first rank's parameters and buffers (a collective)."""
+    source = 0 if group is None else torch.distributed.get_global_rank(group, 0)
+    for tensor in module.state_dict().values():
+        if isinstance(tensor, Tensor):
+            torch.distributed.broadcast(tensor, src=source, group=group)
 
 
 class ShardedDDPStrategy(DirectReferenceStrategy):
@@ -167,7 +177,13 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
             for optimizer in sharded:
                 _keep_gradient_views(optimizer)
         self.optimizers = list(sharded)
-        self.model = ShardedDataParallel(module, sharded_optimizer=sharded, **self._sharded_ddp_kwargs)
+        kwargs = dict(self._sharded_ddp_kwargs)
+        if kwargs.get("sync_models_at_startup", True):
+            # fairscale's own start-up sync broadcasts every value of the module's state_dict and fails on one that is
+            # not a tensor (a module's get_extra_state); parameters and buffers are what torch's DDP syncs too.
+            _broadcast_tensors_from_rank0(module, kwargs.get("process_group"))
+        kwargs["sync_models_at_startup"] = False
+        self.model = ShardedDataParallel(module, sharded_optimizer=sharded, **kwargs)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
