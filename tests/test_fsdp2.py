@@ -261,4 +261,3 @@ def test_a_step_that_uses_parameters_without_calling_their_module_fails_with_the
         Exception, match=r"training_step computed with the LightningModule's parameters.*`self\(\.\.\.\)`"
     ):
         fit(strategy, new_model(cls=_StepUsingParametersWithoutCallingAModule), max_epochs=1)
-

@@ -80,15 +80,18 @@ def staging_directory(target: Path, save_id: str) -> Path:
     return target.with_name(f".{target.name}{_SAVING}{save_id}")
 
 
-def remove_stale_saves(target: Path) -> None:
+def remove_stale_saves(target: Path, keep: Path | None = None) -> None:
     """Removes what killed saves of ``target`` left next to it (their staging and replaced directories).
 
     A replaced directory is kept when ``target`` is missing: a save died between its two renames and the replaced
-    directory is the previous complete checkpoint, which loaders still find.
+    directory is the previous complete checkpoint, which loaders still find. ``keep`` is the staging directory of
+    the save under way, which other ranks may already be writing into.
     """
     if not target.parent.exists():
         return
     for sibling in target.parent.iterdir():
+        if sibling == keep:
+            continue
         staging = sibling.name.startswith(f".{target.name}{_SAVING}")
         replaced = sibling.name.startswith(f".{target.name}.replaced-")
         if staging or (replaced and target.exists()):

@@ -104,8 +104,12 @@ def require_agreement(values: Mapping[str, Any], what: str, fix: str) -> None:
         RanksDisagreeError: On every rank, naming each value that differs from rank 0's and the ranks involved.
     """
     everyone = _gather_from_every_rank(dict(values))
-    if everyone is None:
-        return
+    if everyone is not None:
+        _require_same(everyone, what, fix)
+
+
+def _require_same(everyone: list[dict[str, Any]], what: str, fix: str) -> None:
+    """Raises :class:`RanksDisagreeError` (on every rank: each holds ``everyone``) unless all equal rank 0's."""
     reference: dict[str, Any] = everyone[0]
     differences = [
         f"{key}: rank 0 has {reference.get(key)!r}, rank {rank} has {theirs.get(key)!r}"
@@ -120,14 +124,26 @@ def require_agreement(values: Mapping[str, Any], what: str, fix: str) -> None:
         )
 
 
+_SAVE_PATH = "where to save the checkpoint"
+_SAVE_PATH_FIX = (
+    "call trainer.save_checkpoint(path) with the same path on every rank (compute it on rank 0 and"
+    " broadcast it with trainer.strategy.broadcast(path))"
+)
+
+
 def require_same_save_path(filepath: _PATH) -> None:
     """Checks that every rank saves to ``filepath`` (a collective): a rank's different path would be ignored."""
-    require_agreement(
-        {"filepath": str(filepath)},
-        "where to save the checkpoint",
-        "call trainer.save_checkpoint(path) with the same path on every rank (compute it on rank 0 and"
-        " broadcast it with trainer.strategy.broadcast(path))",
-    )
+    require_agreement({"filepath": str(filepath)}, _SAVE_PATH, _SAVE_PATH_FIX)
+
+
+def agree_on_sharded_save(directory: _PATH, proposed_id: str) -> str:
+    """:func:`require_same_save_path` for ``directory`` that also returns rank 0's ``proposed_id`` on every rank: the
+    id of a sharded save (one all-gather, a collective)."""
+    everyone = _gather_from_every_rank({"filepath": str(directory), "save_id": proposed_id})
+    if everyone is None:
+        return proposed_id
+    _require_same([{"filepath": values["filepath"]} for values in everyone], _SAVE_PATH, _SAVE_PATH_FIX)
+    return str(everyone[0]["save_id"])
 
 
 def agree_on_resume_path(trainer: pl.Trainer, require: Callable[[Mapping[str, Any], str, str], None]) -> None:

@@ -76,6 +76,7 @@ from .._lightning import (
 )
 from .agreement import (
     agree_on_resume_path,
+    agree_on_sharded_save,
     forget_resume_path_check,
     options_fingerprint,
     require_agreement,
@@ -583,31 +584,40 @@ class DirectReferenceStrategy(ParallelStrategy):
             self.checkpoint_io.save_checkpoint(stamped, filepath, storage_options=storage_options)
 
     def save_sharded(
-        self, checkpoint: dict[str, Any], directory: Path, write_shards: Callable[[Path, str], None]
+        self,
+        checkpoint: dict[str, Any],
+        directory: Path,
+        write_shards: Callable[[Path, str], None],
+        *,
+        collective_write: bool = False,
     ) -> None:
         """Writes a sharded checkpoint directory atomically: the previous save stays until this one is whole.
 
-        Rank 0 draws a save id; every rank writes its shards (stamped with the id and its rank) into a sibling
-        staging directory; rank 0 adds ``meta.pt`` and swaps the staging directory in (an atomic exchange on Linux).
-        A failure or a kill at any point leaves the previous complete checkpoint at ``directory``; a full disk is
-        reported as :class:`~lightning_strategies.checkpoint.atomic.DiskFullError`.
+        The ranks check that they save to the same directory and take rank 0's save id (one all-gather); every rank
+        writes its shards (stamped with the id and its rank) into a sibling staging directory; rank 0 adds
+        ``meta.pt`` and swaps the staging directory in (an atomic exchange on Linux). A failure or a kill at any
+        point leaves the previous complete checkpoint at ``directory``; a full disk is reported as
+        :class:`~lightning_strategies.checkpoint.atomic.DiskFullError`.
 
         Args:
             checkpoint: What Lightning dumped; its state entries are the ranks' shards.
             directory: The checkpoint directory.
             write_shards: Writes this rank's shards into the staging directory it is given, stamped with the save id
                 it is given (a collective for some formats).
+            collective_write: ``write_shards`` returns on rank 0 only once every rank's shards are written
+                (``torch.distributed.checkpoint.save`` does: its last step gathers every rank's write results), so
+                rank 0 needs no barrier before it swaps the directory in.
         """
-        require_same_save_path(directory)  # shards in different directories: none of them complete
-        save_id: str = self.broadcast(new_save_id() if self.is_global_zero else "")
+        # Shards in different directories: none of them complete.
+        save_id = agree_on_sharded_save(directory, new_save_id())
         staging = staging_directory(directory, save_id)
         if self.is_global_zero:
-            remove_stale_saves(directory)
-            staging.mkdir(parents=True)
-        self.barrier("sharded checkpoint started")
+            remove_stale_saves(directory, keep=staging)
+        staging.mkdir(parents=True, exist_ok=True)  # by every rank: none waits for another before writing
         try:
             write_shards(staging, save_id)
-            self.barrier("sharded checkpoint shards written")
+            if not collective_write:
+                self.barrier("sharded checkpoint shards written")
             if self.is_global_zero:
                 write_sharded_meta(self.checkpoint_io, checkpoint, self.checkpoint_metadata(), staging, save_id)
                 replace_directory(staging, directory, save_id)

@@ -43,8 +43,8 @@ from lightning_strategies.checkpoint.dcp import (
     MODEL_PARALLEL_LAYOUT,
     DcpLayout,
     check_dcp_optimizer_states,
-    dcp_stamps,
     dcp_model_layout,
+    dcp_stamps,
     safe_dcp_load,
 )
 from lightning_strategies.checkpoint.flat import gather_to_rank0, local_part_like
@@ -491,7 +491,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
                 raise_if_disk_full(error, directory)
                 raise RuntimeError(f"Saving sharded checkpoint {str(directory)!r} failed: {error}") from None
 
-        self.save_sharded(checkpoint, directory, write_dcp)
+        self.save_sharded(checkpoint, directory, write_dcp, collective_write=True)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
