@@ -20,8 +20,10 @@ from tests.helpers import (
     assert_resume_continues_the_run,
     assert_resume_restores_exactly,
     assert_same_weights,
+    canonical_checkpoint,
     fit,
     new_model,
+    train_and_save,
 )
 
 
@@ -261,3 +263,28 @@ def test_a_step_that_uses_parameters_without_calling_their_module_fails_with_the
         Exception, match=r"training_step computed with the LightningModule's parameters.*`self\(\.\.\.\)`"
     ):
         fit(strategy, new_model(cls=_StepUsingParametersWithoutCallingAModule), max_epochs=1)
+
+
+class ModelWithAnExtraBuffer(ConformanceModel):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("calibration", torch.ones(3))
+
+
+class NonStrictModel(ConformanceModel):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.strict_loading = False
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_non_strict_loading_ignores_a_key_the_model_lacks_and_restores_the_rest(
+    tmp_path: Path, state_dict_type: str
+) -> None:
+    saved = train_and_save(fsdp2(state_dict_type=state_dict_type), tmp_path / "saved", cls=ModelWithAnExtraBuffer)
+    restored = tmp_path / "restored.ckpt"
+    fit(fsdp2(), new_model(seed=11, cls=NonStrictModel), ckpt_path=saved, callbacks=[SaveAfterRestore(restored)])
+    before, after = canonical_checkpoint(saved)["state_dict"], canonical_checkpoint(restored)["state_dict"]
+    assert "calibration" not in after
+    for key, value in after.items():
+        assert torch.equal(value, before[key]), key

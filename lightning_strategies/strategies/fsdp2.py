@@ -112,7 +112,9 @@ def _load_into_module(module: Module, state: Mapping[str, Any], current: Mapping
     own_storage = {_local(tensor).data_ptr() for tensor in chain(module.parameters(), module.buffers())}
     rest: dict[str, Any] = {}
     for key, value in state.items():
-        target = current.get(key)
+        if key not in current:  # only under non-strict loading (checked before): ignored, as load_state_dict does
+            continue
+        target = current[key]
         if isinstance(value, Tensor) and isinstance(target, Tensor):
             local = _local(target)
             if local.data_ptr() in own_storage and _local(value).shape == local.shape:
