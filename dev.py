@@ -3,6 +3,7 @@
 
     python3 dev.py demo    # fsdp_fairscale on 2 CPU processes -> checkpoint -> ddp_sharded -> upstream ddp -> table
     python3 dev.py bench   # benchmarks against hand-written loops on 2 CPU processes (< 10 min), see docs/benchmarks.md
+    python3 dev.py fuzz    # differential fuzzer campaign: --examples N --seed S, or --replay "Recipe(...)"
     python3 dev.py test    # ruff, mypy --strict, the docs (Sphinx, warnings as errors) and the test suite,
                            # under pytorch_lightning and again under lightning
 
@@ -117,7 +118,7 @@ def _ensure(environment: Environment) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if not argv or argv[0] not in ("demo", "bench", "test"):
+    if not argv or argv[0] not in ("demo", "bench", "fuzz", "test"):
         print(__doc__)
         sys.exit(2)
     command, rest = argv[0], argv[1:]
@@ -128,6 +129,9 @@ def main(argv: list[str]) -> None:
         return
     if command == "bench":
         _run(main_env.python, "-m", "benchmarks", *rest)
+        return
+    if command == "fuzz":
+        _run(main_env.python, "-m", "tests.fuzz", *rest, echo=False)
         return
     _ensure(LIGHTNING_ENV)
     _run(main_env.bin / "ruff", "check", ".")

@@ -6,6 +6,7 @@ API, and sharded checkpoints through ``torch.distributed.checkpoint`` that resha
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -76,6 +77,20 @@ _REFUSED_OPTIMIZER_NEEDS = {
 
 def _is_sharded(module: Module) -> bool:
     return isinstance(module, FSDPModule)
+
+
+def _can_be_sharded_alone(submodule: Module, uses: Counter[int]) -> bool:
+    """Whether ``fully_shard(submodule)`` keeps the model's meaning.
+
+    Not for containers without a ``forward`` (``ModuleList``, ``ModuleDict``: ``fully_shard`` refuses them, since
+    it gathers parameters in a forward hook), nor for a submodule whose parameters are also used outside it (a tied
+    weight: ``fully_shard`` refuses to put one parameter in two groups). Their parameters go to the nearest sharded
+    ancestor that holds every user (in the end the root), as fairscale's auto-wrapping of this package does.
+    """
+    if type(submodule).forward is Module.forward:
+        return False
+    inside = Counter(id(param) for _, param in submodule.named_parameters(remove_duplicate=False))
+    return all(count == uses[key] for key, count in inside.items())
 
 
 def _local_parts(full: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -280,8 +295,8 @@ class FSDP2Strategy(DirectReferenceStrategy):
             "offload_policy": offload,
         }
 
-    def _chosen(self, submodule: Module) -> bool:
-        if _is_sharded(submodule):
+    def _chosen(self, submodule: Module, uses: Counter[int]) -> bool:
+        if _is_sharded(submodule) or not _can_be_sharded_alone(submodule, uses):
             return False
         if self._shard_module_classes and isinstance(submodule, self._shard_module_classes):
             return True
@@ -298,9 +313,10 @@ class FSDP2Strategy(DirectReferenceStrategy):
             if checkpoint is not None and isinstance(submodule, self._activation_checkpointing):
                 checkpoint(submodule)
         kwargs = self._shard_kwargs()
+        uses = Counter(id(param) for _, param in module.named_parameters(remove_duplicate=False))
         # Post-order (children before their parents), so a parent only takes what its children left unsharded.
         for submodule in reversed(list(module.modules())[1:]):
-            if self._chosen(submodule):
+            if self._chosen(submodule, uses):
                 fully_shard(submodule, **kwargs)
         fully_shard(module, **kwargs)
 
