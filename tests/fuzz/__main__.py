@@ -23,12 +23,12 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
+import torch
+from hypothesis import HealthCheck, Phase, given, seed, settings
 
-from tests.fuzz import recipes as recipe_names  # noqa: E402
-from tests.fuzz.recipes import OURS, Recipe, recipes  # noqa: E402
-from tests.fuzz.runner import Fuzzer, Report  # noqa: E402
+from tests.fuzz import recipes as recipe_names
+from tests.fuzz.recipes import OURS, Recipe, recipes
+from tests.fuzz.runner import Fuzzer, Report
 
 
 def _quiet() -> None:
@@ -108,9 +108,7 @@ class Campaign:
         return "\n".join(lines)
 
     def as_json(self) -> list[dict[str, Any]]:
-        return [
-            {"recipe": repr(r.recipe), "verdicts": [vars(v) for v in r.verdicts], "ok": r.ok} for r in self.reports
-        ]
+        return [{"recipe": repr(r.recipe), "verdicts": [vars(v) for v in r.verdicts], "ok": r.ok} for r in self.reports]
 
 
 def main(argv: list[str] | None = None) -> int:
