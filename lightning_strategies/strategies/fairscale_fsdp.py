@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -72,6 +72,7 @@ from .fairscale_wrap import (
     WrapRequests,
     by_requires_grad,
     forget_stale_fairscale_groups,
+    gradients_kept_as_ddp,
     require_ties_kept,
     tie_safe_policy,
     unit_view,
@@ -364,7 +365,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         module = self.require_lightning_module()
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        with self._guarding_views():
+        kept = gradients_kept_as_ddp(self.model) if isinstance(self.model, FSDP) else nullcontext()
+        with self._guarding_views(), kept:
             try:
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
             except (ValueError, AssertionError) as error:

@@ -286,3 +286,41 @@ def forget_stale_fairscale_groups() -> None:
             torch.distributed.get_global_rank(group, 0)
     except (ValueError, RuntimeError):
         del vars(get_process_group_cached)["_global_group_cache"]
+
+
+@contextmanager
+def gradients_kept_as_ddp(root: FullyShardedDataParallel) -> Iterator[None]:
+    """Around one backward pass: each parameter's gradient ends as under ``ddp`` (new gradients added to the ones the
+    optimizer has not zeroed, a frozen parameter's gradient left alone).
+
+    Before its backward pass, fairscale moves every gradient shard still on a parameter to ``_saved_grad_shard`` (the
+    new reduced gradient is added to it, then moved back to ``.grad``), but it moves it back only for parameters that
+    require gradients. A parameter frozen during the pass (``toggle_optimizer`` of the other optimizer) loses its
+    ``.grad``, and its ``_saved_grad_shard`` stays behind where ``zero_grad()`` cannot reach it: the next backward pass
+    that gives it a gradient adds the new gradient to that stale one, and its optimizer steps on the sum (a GAN that
+    zeroes gradients before its backward passes, as Lightning's docs do, trains silently wrong). So a shard a
+    parameter holds no ``.grad`` for (zeroed since) is dropped before the pass, and a frozen parameter gets its own
+    gradient back after it.
+    """
+    params = [(instance, param) for _, instance in fsdp_instances(root) for param in instance.params]
+    for _, param in params:
+        if param.grad is None and getattr(param, "_saved_grad_shard", None) is not None:
+            delattr(param, "_saved_grad_shard")  # zeroed by the optimizer after the pass that left it
+    try:
+        yield None
+    finally:
+        for instance, param in params:
+            saved = getattr(param, "_saved_grad_shard", None)
+            if saved is None or param.requires_grad:
+                continue
+            delattr(param, "_saved_grad_shard")
+            if param.grad is not None:
+                continue
+            if param.shape != saved.shape:
+                # No post-backward hook resharded this frozen parameter of the root (the root keeps its frozen
+                # parameters gathered after backward): do what the hook does, so it holds its shard again.
+                instance._free_full_params([param])
+                if instance.mixed_precision:
+                    instance._free_fp16_param_shard([param])
+                instance._use_fp32_param_shard([param])
+            param.grad = saved
