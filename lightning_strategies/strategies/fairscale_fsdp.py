@@ -367,23 +367,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         kept = gradients_kept_as_ddp(self.model) if isinstance(self.model, FSDP) else nullcontext()
         with self._guarding_views(), kept:
-            try:
-                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-            except (ValueError, AssertionError) as error:
-                # fairscale's own state checks: a ValueError naming its states, or a bare assert in its backward hooks.
-                if module.automatic_optimization or (
-                    isinstance(error, ValueError) and "expected to be in states" not in str(error)
-                ):
-                    raise
-                raise RuntimeError(
-                    f"FairScaleFSDPStrategy: fairscale FSDP could not run this manual-optimization backward pass"
-                    f" ({type(error).__name__}: {error}). It cannot when parameters that require gradients get none"
-                    " although a module holding them was called (e.g. a GAN's generator, whose output the"
-                    " discriminator's loss detaches). Call `self.toggle_optimizer(optimizer)` before each optimizer's"
-                    " forward and backward and `self.untoggle_optimizer(optimizer)` after its step, as Lightning's"
-                    " manual-optimization docs do, so the other optimizer's parameters do not require gradients"
-                    " meanwhile."
-                ) from error
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
