@@ -255,20 +255,13 @@ def test_a_two_optimizer_gan_with_toggled_optimizers_trains_as_under_ddp(strateg
     assert_same_weights(model, reference, atol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["ddp_sharded_fork", "fsdp2_fork"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_two_optimizer_gan_without_toggling_trains_as_under_ddp(strategy: str) -> None:
     # Without toggling, the generator's backward pass leaves gradients on the discriminator that its own pass adds to.
     reference, model = seeded(GAN, toggle=False), seeded(GAN, toggle=False)
     fit(ddp(), reference, max_epochs=2)
     fit(strategy, model, max_epochs=2)
     assert_same_weights(model, reference, atol=1e-5)
-
-
-def test_fsdp_fairscale_refuses_a_backward_pass_that_skips_a_called_module_and_names_toggle_optimizer() -> None:
-    # fairscale FSDP cannot finish a backward pass in which a module the step called got no gradient while its
-    # parameters require one (the untoggled GAN's discriminator pass: the generator's output is detached).
-    with pytest.raises(Exception, match=r"toggle_optimizer"):
-        fit("fsdp_fairscale_fork", seeded(GAN, toggle=False), max_epochs=1)
 
 
 def test_ddp_sharded_refuses_manual_optimization_with_gradient_buckets_and_names_the_option() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -72,6 +72,7 @@ from .fairscale_wrap import (
     WrapRequests,
     by_requires_grad,
     forget_stale_fairscale_groups,
+    gradients_kept_as_ddp,
     require_ties_kept,
     tie_safe_policy,
     unit_view,
@@ -364,24 +365,9 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         module = self.require_lightning_module()
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        with self._guarding_views():
-            try:
-                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-            except (ValueError, AssertionError) as error:
-                # fairscale's own state checks: a ValueError naming its states, or a bare assert in its backward hooks.
-                if module.automatic_optimization or (
-                    isinstance(error, ValueError) and "expected to be in states" not in str(error)
-                ):
-                    raise
-                raise RuntimeError(
-                    f"FairScaleFSDPStrategy: fairscale FSDP could not run this manual-optimization backward pass"
-                    f" ({type(error).__name__}: {error}). It cannot when parameters that require gradients get none"
-                    " although a module holding them was called (e.g. a GAN's generator, whose output the"
-                    " discriminator's loss detaches). Call `self.toggle_optimizer(optimizer)` before each optimizer's"
-                    " forward and backward and `self.untoggle_optimizer(optimizer)` after its step, as Lightning's"
-                    " manual-optimization docs do, so the other optimizer's parameters do not require gradients"
-                    " meanwhile."
-                ) from error
+        kept = gradients_kept_as_ddp(self.model) if isinstance(self.model, FSDP) else nullcontext()
+        with self._guarding_views(), kept:
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss

@@ -91,8 +91,48 @@ class ClassifiedFSDP(FullyShardedDataParallel):
     """
 
     def __init__(self, module: Module, *, param_class: ParamClass = by_requires_grad, **kwargs: Any) -> None:
+        self._finalizing = False
         with _flatten_by(param_class):
             super().__init__(module, **kwargs)
+
+    def _use_full_params(self) -> None:
+        # fairscale's pre-backward hook of an instance that keeps its parameters gathered after forward (the root, or
+        # reshard_after_forward=False) asserts they still are. With several forward passes before one backward pass
+        # (a manual-optimization step calls `self.encoder(x)` and `self.head(h)`, each a pass of the root) the
+        # post-backward hook of a parameter the later pass used frees them before the earlier pass's backward begins:
+        # gather them again instead (a collective every rank reaches in the same backward pass).
+        if not self.has_full_params:
+            self._rebuild_full_params()
+        super()._use_full_params()
+
+    def assert_state(self, state: Any) -> None:
+        # At the end of a backward pass fairscale asserts that every instance holding parameters that require
+        # gradients got one (BACKWARD_POST). Under ddp (find_unused_parameters=True) a submodule whose parameters get
+        # no gradient (called under no_grad, its output detached, or not called) trains on: such an instance has
+        # nothing to reduce and is simply finished (IDLE or BACKWARD_PRE is its true state).
+        expected = [state] if isinstance(state, fsdp_module.TrainingState) else list(state)
+        idle = (fsdp_module.TrainingState.IDLE, fsdp_module.TrainingState.BACKWARD_PRE)
+        if self._finalizing and expected == [fsdp_module.TrainingState.BACKWARD_POST] and self.training_state in idle:
+            return
+        super().assert_state(state)
+
+    def _wait_for_post_backward(self) -> None:
+        instances = [instance for instance in self.modules() if isinstance(instance, ClassifiedFSDP)]
+        for instance in instances:
+            instance._lazy_init()  # an instance whose module was never called has no gathering buffers to free yet
+            instance._finalizing = True
+        if self._require_backward_grad_sync:
+            # fairscale reshards every instance after a synchronised backward pass except the root, whose parameters
+            # the pass may have gathered again after their post-backward hook had resharded them (above), and whose
+            # frozen or unused parameters no hook reshards: the optimizer must step shards, so the root reshards too
+            # (before fairscale checks that each gradient shard fits its parameter).
+            self._free_full_params()
+            self._use_fp32_param_shard()
+        try:
+            super()._wait_for_post_backward()
+        finally:
+            for instance in instances:
+                instance._finalizing = False
 
 
 class WrapRequests:
@@ -286,3 +326,49 @@ def forget_stale_fairscale_groups() -> None:
             torch.distributed.get_global_rank(group, 0)
     except (ValueError, RuntimeError):
         del vars(get_process_group_cached)["_global_group_cache"]
+
+
+@contextmanager
+def gradients_kept_as_ddp(root: FullyShardedDataParallel) -> Iterator[None]:
+    """Around one backward pass: each parameter's gradient ends as under ``ddp`` (new gradients added to the ones the
+    optimizer has not zeroed, a frozen parameter's gradient left alone).
+
+    Before its backward pass, fairscale moves every gradient shard still on a parameter to ``_saved_grad_shard`` (the
+    new reduced gradient is added to it, then moved back to ``.grad``), but it moves it back only for parameters that
+    require gradients. A parameter frozen during the pass (``toggle_optimizer`` of the other optimizer) loses its
+    ``.grad``, and its ``_saved_grad_shard`` stays behind where ``zero_grad()`` cannot reach it: the next backward pass
+    that gives it a gradient adds the new gradient to that stale one, and its optimizer steps on the sum (a GAN that
+    zeroes gradients before its backward passes, as Lightning's docs do, trains silently wrong). So a shard a
+    parameter holds no ``.grad`` for (zeroed since) is dropped before the pass, and a frozen parameter gets its own
+    gradient back after it.
+    """
+    params = [(instance, param) for _, instance in fsdp_instances(root) for param in instance.params]
+    synced_before = not getattr(root, "_lightning_strategies_unsynced", False)
+    for _, param in params:
+        if param.grad is None and getattr(param, "_saved_grad_shard", None) is not None:
+            delattr(param, "_saved_grad_shard")  # zeroed by the optimizer after the pass that left it
+        elif param.grad is not None and synced_before and param.numel() == 1 and param.grad.numel() == 1:
+            # A one-element parameter's reduced gradient shard has its full shape, which fairscale takes for a local
+            # gradient accumulated under no_sync: it would add the new local gradient to it and reduce the sum again.
+            # Set it aside as fairscale does for every other shape.
+            setattr(param, "_saved_grad_shard", param.grad.data)  # noqa: B010
+            param.grad = None
+    try:
+        yield None
+    finally:
+        vars(root)["_lightning_strategies_unsynced"] = not root._require_backward_grad_sync
+        for instance, param in params:
+            saved = getattr(param, "_saved_grad_shard", None)
+            if saved is None or param.requires_grad:
+                continue
+            delattr(param, "_saved_grad_shard")
+            if param.grad is not None:
+                continue
+            if param.shape != saved.shape:
+                # No post-backward hook resharded this frozen parameter of the root (the root keeps its frozen
+                # parameters gathered after backward): do what the hook does, so it holds its shard again.
+                instance._free_full_params([param])
+                if instance.mixed_precision:
+                    instance._free_fp16_param_shard([param])
+                instance._use_fp32_param_shard([param])
+            param.grad = saved
