@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # ddp's warning about find_unused_parameters, once per fit
 
 import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings

@@ -25,6 +25,8 @@ OptimizerName = Literal["sgd", "adam", "adamw_no_decay", "rmsprop", "adagrad"]
 Precision = Literal["32-true", "bf16-mixed"]
 OURS = ("ddp_sharded", "fsdp_fairscale", "fsdp2")
 REFERENCE = "ddp"
+#: The strategies that write sharded checkpoints (``state_dict_type="sharded"``) besides full files.
+SHARDED_FORMATS = ("fsdp_fairscale", "fsdp2")
 
 #: Samples in the training set; with two ranks and batches of 4, two steps per epoch and rank.
 SAMPLES = 16
@@ -178,8 +180,7 @@ def _checkpoints(draw: st.DrawFn) -> Checkpoint | None:
     if not draw(st.booleans()):
         return None
     saved_by = draw(st.sampled_from((REFERENCE, *OURS)))
-    sharded_formats = saved_by in ("fsdp_fairscale", "fsdp2")
-    state_dict_type = draw(st.sampled_from(["full", "sharded"])) if sharded_formats else "full"
+    state_dict_type = draw(st.sampled_from(["full", "sharded"])) if saved_by in SHARDED_FORMATS else "full"
     # Upstream ddp reads full files only; ours read every format.
     readers = OURS if state_dict_type == "sharded" else (REFERENCE, *OURS)
     return Checkpoint(saved_by, state_dict_type, draw(st.sampled_from(readers)))

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from tests.flavour import ours, pl
-from tests.fuzz.recipes import EPOCHS, OURS, REFERENCE, Recipe, build_module
+from tests.fuzz.recipes import EPOCHS, OURS, REFERENCE, SHARDED_FORMATS, Recipe, build_module
 
 #: fp32 runs must end this close to ``ddp`` (the order of a sum of two ranks' gradients is all that differs).
 FP32_TOLERANCE = 1e-5
@@ -366,7 +366,7 @@ class Fuzzer:
         reference = self.reference(recipe)
         directory = self._directory()
         extra: dict[str, Any] = {"broadcast_buffers": True}
-        if checkpoint.saved_by != REFERENCE:
+        if checkpoint.saved_by in SHARDED_FORMATS:
             extra["state_dict_type"] = checkpoint.state_dict_type
         first = fit_once(recipe, self._make(checkpoint.saved_by, recipe, **extra), directory, max_epochs=1, save=True)
         if first.state is None:
