@@ -9,6 +9,7 @@ to wrap and how to read/write its sharded state; see ``docs/`` ("Writing your ow
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -70,6 +71,7 @@ from .._lightning import (
     _sync_ddp_if_available,
     _sync_module_states,
     _trainer_call,
+    _WrappingCheckpointIO,
     is_overridden,
     pl,
     reset_seed,
@@ -82,7 +84,7 @@ from .agreement import (
     require_agreement,
     require_same_save_path,
 )
-from .atomic_io import AtomicTorchCheckpointIO
+from .atomic_io import AtomicTorchCheckpointIO, finish_background_writes, synchronous_checkpoint_io
 from .buffers import RankZeroBuffers
 from .failures import (
     default_failure_timeout,
@@ -161,6 +163,10 @@ class DirectReferenceStrategy(ParallelStrategy):
         """The checkpoint IO plugin; by default one whose local saves are atomic (never a torn file)."""
         if self._checkpoint_io is None:
             self._checkpoint_io = AtomicTorchCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            # A wrapper given without the IO it wraps (`plugins=[AsyncCheckpointIO()]`) writes through ours, not
+            # through Lightning's default (which truncates the file first). A no-op when it has one.
+            self._checkpoint_io.checkpoint_io = AtomicTorchCheckpointIO()
         return super().checkpoint_io
 
     @checkpoint_io.setter
@@ -583,6 +589,24 @@ class DirectReferenceStrategy(ParallelStrategy):
             stamped = {**checkpoint, METADATA_KEY: self.checkpoint_metadata().to_dict()}
             self.checkpoint_io.save_checkpoint(stamped, filepath, storage_options=storage_options)
 
+    @property
+    def sharded_checkpoint_io(self) -> CheckpointIO:
+        """The checkpoint IO that writes the files of a sharded directory: ``checkpoint_io`` without
+        ``AsyncCheckpointIO`` (the directory is swapped in right after the writes, so they must be done then)."""
+        return synchronous_checkpoint_io(self.checkpoint_io)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Removes a checkpoint (``ModelCheckpoint`` removes the ones it no longer keeps) on global rank 0.
+
+        A checkpoint that is not there yet may still be written by ``AsyncCheckpointIO`` in the background (saves
+        are atomic: the path appears when its write is done); the removal waits for that write, which would
+        otherwise put it there afterwards.
+        """
+        if self.is_global_zero and ("://" in str(filepath) or not os.path.lexists(filepath)):
+            finish_background_writes(self.checkpoint_io)
+        super().remove_checkpoint(filepath)
+
     def save_sharded(
         self,
         checkpoint: dict[str, Any],
@@ -607,7 +631,12 @@ class DirectReferenceStrategy(ParallelStrategy):
             collective_write: ``write_shards`` returns on rank 0 only once every rank's shards are written
                 (``torch.distributed.checkpoint.save`` does: its last step gathers every rank's write results), so
                 rank 0 needs no barrier before it swaps the directory in.
+
+        Raises:
+            BaseException: A write failed, or (with ``AsyncCheckpointIO``) an earlier background write had failed.
         """
+        # With AsyncCheckpointIO: an earlier background write's error is raised here, as the plugin's next save would.
+        finish_background_writes(self.checkpoint_io)
         # Shards in different directories: none of them complete.
         save_id = agree_on_sharded_save(directory, new_save_id())
         staging = staging_directory(directory, save_id)
@@ -616,10 +645,13 @@ class DirectReferenceStrategy(ParallelStrategy):
         staging.mkdir(parents=True, exist_ok=True)  # by every rank: none waits for another before writing
         try:
             write_shards(staging, save_id)
+            finish_background_writes(self.checkpoint_io)  # an AsyncCheckpointIO below another wrapper
             if not collective_write:
                 self.barrier("sharded checkpoint shards written")
             if self.is_global_zero:
-                write_sharded_meta(self.checkpoint_io, checkpoint, self.checkpoint_metadata(), staging, save_id)
+                meta_io = self.sharded_checkpoint_io
+                write_sharded_meta(meta_io, checkpoint, self.checkpoint_metadata(), staging, save_id)
+                finish_background_writes(meta_io)
                 replace_directory(staging, directory, save_id)
         except BaseException as error:
             if self.is_global_zero:

@@ -634,7 +634,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
                 SHARDED_LAYOUT_KEY: self._sharded_layout(),
                 SHARDED_SAVE_KEY: save_stamp(save_id, self.world_size, self.global_rank),
             }
-            self.checkpoint_io.save_checkpoint(shard, staging / SHARDED_RANK_FILE.format(rank=self.global_rank))
+            self.sharded_checkpoint_io.save_checkpoint(shard, staging / SHARDED_RANK_FILE.format(rank=self.global_rank))
 
         self.save_sharded(checkpoint, directory, write_rank_file)
 
