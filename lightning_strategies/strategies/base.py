@@ -635,8 +635,6 @@ class DirectReferenceStrategy(ParallelStrategy):
         Raises:
             BaseException: A write failed, or (with ``AsyncCheckpointIO``) an earlier background write had failed.
         """
-        # With AsyncCheckpointIO: an earlier background write's error is raised here, as the plugin's next save would.
-        finish_background_writes(self.checkpoint_io)
         # Shards in different directories: none of them complete.
         save_id = agree_on_sharded_save(directory, new_save_id())
         staging = staging_directory(directory, save_id)
@@ -645,7 +643,9 @@ class DirectReferenceStrategy(ParallelStrategy):
         staging.mkdir(parents=True, exist_ok=True)  # by every rank: none waits for another before writing
         try:
             write_shards(staging, save_id)
-            finish_background_writes(self.checkpoint_io)  # an AsyncCheckpointIO below another wrapper
+            # With AsyncCheckpointIO: an earlier background write's error is raised by this save (as the plugin's own
+            # next save would raise it), and the writes of a plugin below another wrapper are done before the swap.
+            finish_background_writes(self.checkpoint_io)
             if not collective_write:
                 self.barrier("sharded checkpoint shards written")
             if self.is_global_zero:
