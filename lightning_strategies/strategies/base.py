@@ -704,10 +704,18 @@ class DirectReferenceStrategy(ParallelStrategy):
             if holds_optimizer_state(checkpoint):
                 # Refuse a checkpoint whose optimizer states do not fit *before* changing the weights.
                 self._check_optimizer_states(checkpoint["optimizer_states"])
-            else:  # warns once; the optimizers and schedulers start fresh
-                schedulers = [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
-                resume_without_optimizer_state(checkpoint, len(self.optimizers), schedulers, self._checkpoint_source)
+            else:
+                self._resume_without_optimizer_state(checkpoint)
         self._load_canonical_model_state(checkpoint["state_dict"], strict=strict)
+
+    def _resume_without_optimizer_state(self, checkpoint: Mapping[str, Any]) -> None:
+        """A fit restores a checkpoint that holds no optimizer state (weights-only, full file or sharded directory):
+        one warning naming what is not restored; the optimizers and LR schedulers start fresh. Elsewhere nothing."""
+        trainer = self.require_lightning_module()._trainer
+        if trainer is None or not self._restoring_optimizers(trainer):
+            return
+        schedulers = [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
+        resume_without_optimizer_state(checkpoint, len(self.optimizers), schedulers, self._checkpoint_source)
 
     def _restoring_optimizers(self, trainer: pl.Trainer) -> bool:
         return trainer.state.fn == TrainerFn.FITTING and self.lightning_restore_optimizer
