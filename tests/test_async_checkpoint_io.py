@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import AsyncCheckpointIO
 
@@ -17,6 +18,7 @@ from lightning_strategies.checkpoint.sharded import open_sharded, sharded_direct
 from lightning_strategies.strategies.atomic_io import AtomicTorchCheckpointIO
 from lightning_strategies.strategies.base import DirectReferenceStrategy
 from lightning_strategies.testing import SaveAfterRestore
+from tests.conftest import trainer_kwargs
 from tests.helpers import assert_same_checkpoint_state, canonical_checkpoint, fit, new_model
 
 CLASSES: dict[str, type[DirectReferenceStrategy]] = {
@@ -89,18 +91,14 @@ def test_every_checkpoint_written_through_async_checkpoint_io_is_complete_and_re
     assert not leftovers(directory) and not leftovers(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["ddp_sharded", "fsdp2"])
-def test_full_files_written_through_async_checkpoint_io_are_written_atomically(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_async_checkpoint_io_given_alone_writes_through_the_atomic_io(name: str) -> None:
     plugin = AsyncCheckpointIO()
-    fit(
-        strategy(name, "full"),
-        new_model(),
-        callbacks=[ModelCheckpoint(dirpath=tmp_path)],
-        enable_checkpointing=True,
-        plugins=[plugin],
-    )
-    # The plugin writes through the strategy's default IO (temporary file, fsync, rename), not a plain torch.save.
-    assert isinstance(plugin.checkpoint_io, AtomicTorchCheckpointIO)
+    trainer = pl.Trainer(strategy=strategy(name, "full"), plugins=[plugin], **trainer_kwargs())
+
+    # The strategy's default IO (temporary file, fsync, rename), not Lightning's plain torch.save to the path.
+    assert trainer.strategy.checkpoint_io is plugin
+    assert type(plugin.checkpoint_io) is AtomicTorchCheckpointIO
 
 
 class RemovalRecorder(AtomicTorchCheckpointIO):
