@@ -164,8 +164,8 @@ class DirectReferenceStrategy(ParallelStrategy):
         if self._checkpoint_io is None:
             self._checkpoint_io = AtomicTorchCheckpointIO()
         elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
-            # A wrapper given without the IO it wraps (`plugins=[AsyncCheckpointIO()]`) writes through ours, not
-            # through Lightning's default (which truncates the file first). A no-op when it has one.
+            # A wrapper given without the IO it wraps (`plugins=[AsyncCheckpointIO()]`) writes through ours (fsynced,
+            # what killed saves left is removed), as the strategy does without it. A no-op when it wraps one.
             self._checkpoint_io.checkpoint_io = AtomicTorchCheckpointIO()
         return super().checkpoint_io
 
