@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from pytorch_lightning.callbacks import ModelCheckpoint
     from pytorch_lightning.core.optimizer import LightningOptimizer
     from pytorch_lightning.overrides.distributed import _sync_module_states
-    from pytorch_lightning.plugins.io import TorchCheckpointIO
+    from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+    from pytorch_lightning.plugins.io.wrapper import _WrappingCheckpointIO
     from pytorch_lightning.plugins.precision import Precision
     from pytorch_lightning.strategies import Strategy, StrategyRegistry
     from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
@@ -67,6 +68,8 @@ else:
     LightningOptimizer = _load(_PYTORCH, "core.optimizer", "LightningOptimizer")
     _sync_module_states = _load(_PYTORCH, "overrides.distributed", "_sync_module_states")
     TorchCheckpointIO = _load(_PYTORCH, "plugins.io", "TorchCheckpointIO")
+    AsyncCheckpointIO = _load(_PYTORCH, "plugins.io", "AsyncCheckpointIO")
+    _WrappingCheckpointIO = _load(_PYTORCH, "plugins.io.wrapper", "_WrappingCheckpointIO")
     Precision = _load(_PYTORCH, "plugins.precision", "Precision")
     Strategy = _load(_PYTORCH, "strategies", "Strategy")
     StrategyRegistry = _load(_PYTORCH, "strategies", "StrategyRegistry")
@@ -83,6 +86,7 @@ else:
 __all__ = [
     "FLAVOUR",
     "_PATH",
+    "AsyncCheckpointIO",
     "CheckpointIO",
     "ClusterEnvironment",
     "LRSchedulerConfig",
@@ -99,6 +103,7 @@ __all__ = [
     "_StrategyRegistry",
     "_SubprocessScriptLauncher",
     "_WorkerOutput",
+    "_WrappingCheckpointIO",
     "_distributed_is_initialized",
     "_get_default_process_group_backend_for_device",
     "_init_dist_connection",

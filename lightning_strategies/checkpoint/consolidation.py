@@ -177,8 +177,9 @@ def _fairscale(sharded: ShardedCheckpoint, tally: TallyFactory) -> tuple[dict[st
     # A tied parameter is held once, under its first name; its other names are written with the same tensor.
     aliases: dict[str, str] = dict(layout.get("aliases", {}))
     buffers = [key for key in shards[0]["state_dict"] if key not in unit_keys and key not in aliases]
-    optimizer_layouts = layout["optimizers"]
     rank_optimizer_states = [shard.get("optimizer_states", []) for shard in shards]
+    # A weights-only save wrote no optimizer state; its layout still lists the optimizers of its run.
+    optimizer_layouts = layout["optimizers"] if any(rank_optimizer_states) else []
     optimizer_total = sum(
         len(units[unit_index]["names"]) * len(rank_optimizer_states[0][index]["state"].get(flat_index, {}))
         for index, optimizer_layout in enumerate(optimizer_layouts)

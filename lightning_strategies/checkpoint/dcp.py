@@ -444,3 +444,9 @@ def check_dcp_optimizer_states(
                 f"{source}, optimizer {index}: the saved state does not fit; nothing was loaded.\n  "
                 + "\n  ".join(problems[:10])
             )
+
+
+def dcp_optimizer_count(stored: Metadata, layout: DcpLayout) -> int:
+    """How many optimizers' states a DCP directory holds (0: a weights-only save)."""
+    paths = stored.planner_data if isinstance(stored.planner_data, dict) else {}
+    return len({path[0] for path in paths.values() if path and layout.optimizer_index(str(path[0])) is not None})

@@ -1,4 +1,5 @@
-"""The checkpoint IO plugin every strategy of ours uses by default."""
+"""The checkpoint IO plugin every strategy of ours uses by default, and how saves deal with Lightning's
+``AsyncCheckpointIO`` (which writes in a background thread and returns at once)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing_extensions import override
 
 from lightning_strategies.checkpoint.atomic import atomic_torch_save
 
-from .._lightning import _PATH, TorchCheckpointIO
+from .._lightning import _PATH, AsyncCheckpointIO, CheckpointIO, TorchCheckpointIO, _WrappingCheckpointIO
 
 
 class AtomicTorchCheckpointIO(TorchCheckpointIO):
@@ -37,3 +38,29 @@ class AtomicTorchCheckpointIO(TorchCheckpointIO):
             )
         loaded: dict[str, Any] = super().load_checkpoint(path, map_location=map_location, weights_only=True)
         return loaded
+
+
+def synchronous_checkpoint_io(io: CheckpointIO) -> CheckpointIO:
+    """``io`` without the ``AsyncCheckpointIO`` layers around it: its writes are done when it returns.
+
+    A sharded save writes through it: its directory is swapped in right after the writes, and a background write
+    still under way then would leave the directory without that file (and the file in a staging directory that no
+    loader reads).
+    """
+    while isinstance(io, AsyncCheckpointIO) and io.checkpoint_io is not None:
+        io = io.checkpoint_io
+    return io
+
+
+def finish_background_writes(io: CheckpointIO) -> None:
+    """Waits until every ``AsyncCheckpointIO`` in ``io``'s chain of wrappers has written what it was given.
+
+    Raises:
+        BaseException: The error of a background write that failed, as the plugin's own next save raises it (the
+            plugin keeps it: its next save and its teardown raise it again).
+    """
+    layer: CheckpointIO | None = io
+    while isinstance(layer, _WrappingCheckpointIO):
+        if isinstance(layer, AsyncCheckpointIO):
+            layer.teardown()  # joins its writer thread; the next write starts a new one
+        layer = layer.checkpoint_io

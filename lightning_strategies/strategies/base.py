@@ -9,6 +9,7 @@ to wrap and how to read/write its sharded state; see ``docs/`` ("Writing your ow
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -70,6 +71,7 @@ from .._lightning import (
     _sync_ddp_if_available,
     _sync_module_states,
     _trainer_call,
+    _WrappingCheckpointIO,
     is_overridden,
     pl,
     reset_seed,
@@ -82,7 +84,7 @@ from .agreement import (
     require_agreement,
     require_same_save_path,
 )
-from .atomic_io import AtomicTorchCheckpointIO
+from .atomic_io import AtomicTorchCheckpointIO, finish_background_writes, synchronous_checkpoint_io
 from .buffers import RankZeroBuffers
 from .failures import (
     default_failure_timeout,
@@ -161,6 +163,10 @@ class DirectReferenceStrategy(ParallelStrategy):
         """The checkpoint IO plugin; by default one whose local saves are atomic (never a torn file)."""
         if self._checkpoint_io is None:
             self._checkpoint_io = AtomicTorchCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            # A wrapper given without the IO it wraps (`plugins=[AsyncCheckpointIO()]`) writes through ours (fsynced,
+            # what killed saves left is removed), as the strategy does without it. A no-op when it wraps one.
+            self._checkpoint_io.checkpoint_io = AtomicTorchCheckpointIO()
         return super().checkpoint_io
 
     @checkpoint_io.setter
@@ -583,6 +589,24 @@ class DirectReferenceStrategy(ParallelStrategy):
             stamped = {**checkpoint, METADATA_KEY: self.checkpoint_metadata().to_dict()}
             self.checkpoint_io.save_checkpoint(stamped, filepath, storage_options=storage_options)
 
+    @property
+    def sharded_checkpoint_io(self) -> CheckpointIO:
+        """The checkpoint IO that writes the files of a sharded directory: ``checkpoint_io`` without
+        ``AsyncCheckpointIO`` (the directory is swapped in right after the writes, so they must be done then)."""
+        return synchronous_checkpoint_io(self.checkpoint_io)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Removes a checkpoint (``ModelCheckpoint`` removes the ones it no longer keeps) on global rank 0.
+
+        A checkpoint that is not there yet may still be written by ``AsyncCheckpointIO`` in the background (saves
+        are atomic: the path appears when its write is done); the removal waits for that write, which would
+        otherwise put it there afterwards.
+        """
+        if self.is_global_zero and ("://" in str(filepath) or not os.path.lexists(filepath)):
+            finish_background_writes(self.checkpoint_io)
+        super().remove_checkpoint(filepath)
+
     def save_sharded(
         self,
         checkpoint: dict[str, Any],
@@ -607,6 +631,9 @@ class DirectReferenceStrategy(ParallelStrategy):
             collective_write: ``write_shards`` returns on rank 0 only once every rank's shards are written
                 (``torch.distributed.checkpoint.save`` does: its last step gathers every rank's write results), so
                 rank 0 needs no barrier before it swaps the directory in.
+
+        Raises:
+            BaseException: A write failed, or (with ``AsyncCheckpointIO``) an earlier background write had failed.
         """
         # Shards in different directories: none of them complete.
         save_id = agree_on_sharded_save(directory, new_save_id())
@@ -616,10 +643,15 @@ class DirectReferenceStrategy(ParallelStrategy):
         staging.mkdir(parents=True, exist_ok=True)  # by every rank: none waits for another before writing
         try:
             write_shards(staging, save_id)
+            # With AsyncCheckpointIO: an earlier background write's error is raised by this save (as the plugin's own
+            # next save would raise it), and the writes of a plugin below another wrapper are done before the swap.
+            finish_background_writes(self.checkpoint_io)
             if not collective_write:
                 self.barrier("sharded checkpoint shards written")
             if self.is_global_zero:
-                write_sharded_meta(self.checkpoint_io, checkpoint, self.checkpoint_metadata(), staging, save_id)
+                meta_io = self.sharded_checkpoint_io
+                write_sharded_meta(meta_io, checkpoint, self.checkpoint_metadata(), staging, save_id)
+                finish_background_writes(meta_io)
                 replace_directory(staging, directory, save_id)
         except BaseException as error:
             if self.is_global_zero:
@@ -672,10 +704,18 @@ class DirectReferenceStrategy(ParallelStrategy):
             if holds_optimizer_state(checkpoint):
                 # Refuse a checkpoint whose optimizer states do not fit *before* changing the weights.
                 self._check_optimizer_states(checkpoint["optimizer_states"])
-            else:  # warns once; the optimizers and schedulers start fresh
-                schedulers = [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
-                resume_without_optimizer_state(checkpoint, len(self.optimizers), schedulers, self._checkpoint_source)
+            else:
+                self._resume_without_optimizer_state(checkpoint)
         self._load_canonical_model_state(checkpoint["state_dict"], strict=strict)
+
+    def _resume_without_optimizer_state(self, checkpoint: Mapping[str, Any]) -> None:
+        """A fit restores a checkpoint that holds no optimizer state (weights-only, full file or sharded directory):
+        one warning naming what is not restored; the optimizers and LR schedulers start fresh. Elsewhere nothing."""
+        trainer = self.require_lightning_module()._trainer
+        if trainer is None or not self._restoring_optimizers(trainer):
+            return
+        schedulers = [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
+        resume_without_optimizer_state(checkpoint, len(self.optimizers), schedulers, self._checkpoint_source)
 
     def _restoring_optimizers(self, trainer: pl.Trainer) -> bool:
         return trainer.state.fn == TrainerFn.FITTING and self.lightning_restore_optimizer

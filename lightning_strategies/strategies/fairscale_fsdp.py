@@ -61,6 +61,7 @@ from lightning_strategies.checkpoint.sharded import (
     save_stamp,
     sharded_directory,
 )
+from lightning_strategies.checkpoint.training_state import holds_optimizer_state
 
 from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl
 from .agreement import refuse_unless_every_rank_fits
@@ -620,7 +621,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
                 SHARDED_LAYOUT_KEY: self._sharded_layout(),
                 SHARDED_SAVE_KEY: save_stamp(save_id, self.world_size, self.global_rank),
             }
-            self.checkpoint_io.save_checkpoint(shard, staging / SHARDED_RANK_FILE.format(rank=self.global_rank))
+            self.sharded_checkpoint_io.save_checkpoint(shard, staging / SHARDED_RANK_FILE.format(rank=self.global_rank))
 
         self.save_sharded(checkpoint, directory, write_rank_file)
 
@@ -678,6 +679,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         shard = read_rank_file(sharded, self.global_rank)
         self._loaded_sharded = True
         self._sharded_source = f"{source}: {SHARDED_RANK_FILE.format(rank=self.global_rank)}"
+        if not holds_optimizer_state(shard):  # a weights-only save: resumed like a weights-only file
+            shard.pop("optimizer_states", None)
         return {**sharded.meta, **shard}
 
     def _sharded_problem(self, checkpoint: Mapping[str, Any]) -> CheckpointError | None:
@@ -687,7 +690,18 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         try:
             if not isinstance(saved, Mapping):
                 raise CheckpointFormatError(f"{where} holds no {SHARDED_LAYOUT_KEY!r} block.")
-            if any(saved.get(key) != own[key] for key in ("version", "world_size", "units", "optimizers")):
+            restoring = self._restoring_sharded_optimizer_states(checkpoint)
+            if restoring and len(checkpoint["optimizer_states"]) != len(self._raw_optimizers()):
+                # Named before the layout check (whose optimizers differ too): raises the count mismatch.
+                check_optimizer_states(checkpoint["optimizer_states"], self._raw_optimizers(), [], source=where)
+            # A weights-only save's layout still lists the optimizers of its run, which it did not save.
+            compared = (
+                "version",
+                "world_size",
+                "units",
+                *(("optimizers",) if holds_optimizer_state(checkpoint) else ()),
+            )
+            if any(saved.get(key) != own[key] for key in compared):
                 # Name the parameters that differ when the model differs; else the wrapping or param groups do.
                 described = fairscale_model_layout(checkpoint.get("state_dict", {}), saved)
                 check_model_state(self._expected_model_state(), described, source=where, shapes_only=True)
@@ -701,7 +715,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
                 for key, value in self._root().local_state_dict().items()
             }
             check_model_state(local, checkpoint.get("state_dict", {}), strict=True, source=where)
-            if self._restoring_sharded_optimizer_states(checkpoint):
+            if restoring:
                 optimizers = self._raw_optimizers()
                 shapes = [param_group_shapes(optimizer) for optimizer in optimizers]
                 check_optimizer_states(checkpoint["optimizer_states"], optimizers, shapes, source=where)
@@ -719,6 +733,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             instance._lazy_init()  # load_local_state_dict needs every instance initialised
         # Every rank validates its shard (and optimizer states) and the ranks agree, before any weight changes.
         refuse_unless_every_rank_fits(self._sharded_problem(checkpoint))
+        if not holds_optimizer_state(checkpoint):
+            self._resume_without_optimizer_state(checkpoint)  # one warning; the optimizers start fresh
         with self._guarding_views():
             root.load_local_state_dict(checkpoint["state_dict"], strict=strict)
 
@@ -727,5 +743,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         if not self._loaded_sharded:
             super().load_optimizer_state_dict(checkpoint)
             return
+        if not holds_optimizer_state(checkpoint):
+            return  # warned about in load_model_state_dict: the optimizers start fresh
         for optimizer, state in zip(self._raw_optimizers(), checkpoint["optimizer_states"], strict=True):
             optimizer.load_state_dict(dict(state))

@@ -45,6 +45,7 @@ from lightning_strategies.checkpoint.dcp import (
     DcpLayout,
     check_dcp_optimizer_states,
     dcp_model_layout,
+    dcp_optimizer_count,
     dcp_stamps,
     safe_dcp_load,
 )
@@ -149,6 +150,11 @@ class _DcpRestore:
     sharded: ShardedCheckpoint
     stored: Metadata
     optimizer_templates: list[dict[str, Any]] | None = None
+
+    @property
+    def holds_optimizer_states(self) -> bool:
+        """Whether the save wrote optimizer states (not a weights-only save)."""
+        return dcp_optimizer_count(self.stored, DcpLayout.of(self.stored, self.sharded.source)) > 0
 
 
 class FSDP2Strategy(DirectReferenceStrategy):
@@ -523,7 +529,10 @@ class FSDP2Strategy(DirectReferenceStrategy):
             self._sharded_checkpoint = None
             return self._load_consolidated(sharded)
         # .metadata read without running code; every .distcp file there, whole, and of this save.
-        self._sharded_checkpoint = _DcpRestore(sharded, read_dcp_files(sharded))
+        restore = _DcpRestore(sharded, read_dcp_files(sharded))
+        self._sharded_checkpoint = restore
+        if not restore.holds_optimizer_states:  # weights-only: resumed like a weights-only file
+            return {**sharded.meta, "state_dict": {}}
         # Lightning checks that optimizer states exist before asking the strategy to load them.
         return {**sharded.meta, "state_dict": {}, "optimizer_states": []}
 
@@ -542,7 +551,9 @@ class FSDP2Strategy(DirectReferenceStrategy):
         check_model_state(
             self._expected_model_state(), saved_model, strict=strict, source=sharded.source, shapes_only=True
         )
-        if self._restoring_sharded_optimizer_states(checkpoint):
+        if not restore.holds_optimizer_states:
+            self._resume_without_optimizer_state(checkpoint)  # one warning; the optimizers start fresh
+        elif self._restoring_sharded_optimizer_states(checkpoint):
             optimizers = self._raw_optimizers()
             restore.optimizer_templates = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
             check_dcp_optimizer_states(restore.optimizer_templates, stored, layout, source=sharded.source)
@@ -557,6 +568,9 @@ class FSDP2Strategy(DirectReferenceStrategy):
             super().load_optimizer_state_dict(checkpoint)
             return
         restore = self._sharded_checkpoint
+        if not restore.holds_optimizer_states:  # a weights-only save: the optimizers keep their fresh state
+            self._sharded_checkpoint = None
+            return
         layout = DcpLayout.of(restore.stored, restore.sharded.source)
         module = self.require_lightning_module()
         optimizers = self._raw_optimizers()

@@ -39,6 +39,7 @@ from .._lightning import (
     _WorkerOutput,
     pl,
 )
+from .atomic_io import synchronous_checkpoint_io
 
 #: What a fork/spawn fit hands back to the main process: the whole end-of-fit checkpoint, or the weights only.
 HandBack = Literal["checkpoint", "weights"]
@@ -170,11 +171,13 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
         if fitting and self._strategy.is_global_zero:
             # A fresh directory per run: the filesystem may be shared between nodes.
             directory = tempfile.mkdtemp(prefix="lightning_strategies_hand_back_")
+            # Written before the main process reads them (not in AsyncCheckpointIO's background thread).
+            io = synchronous_checkpoint_io(self._strategy.checkpoint_io)
             weights_path = os.path.join(directory, "weights.ckpt")
-            self._strategy.checkpoint_io.save_checkpoint(weights, weights_path)
+            io.save_checkpoint(weights, weights_path)
             if training_state is not None:
                 extra[_TRAINING_STATE_PATH] = os.path.join(directory, "training_state.ckpt")
-                self._strategy.checkpoint_io.save_checkpoint(training_state, extra[_TRAINING_STATE_PATH])
+                io.save_checkpoint(training_state, extra[_TRAINING_STATE_PATH])
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback is not None else None
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
