@@ -45,7 +45,7 @@ def fuzzer(tmp_path_factory: pytest.TempPathFactory) -> Fuzzer:
 
 # Found by campaigns, kept as explicit examples (each ran wrong before its fix).
 @example(recipe=Recipe(optimization=Manual(kind="gan", toggle=True, first="b")))  # discriminator step first
-@example(recipe=Recipe(model=ModelSpec(container="modulelist"), options=(("fsdp2", (("min_num_params", 100),)),)))
+@example(recipe=Recipe(model=ModelSpec(container="modulelist"), options=(("fsdp2", (("min_num_params", 300),)),)))
 @example(recipe=Recipe(model=ModelSpec(tied=True), options=(("fsdp2", (("shard_module_classes", ("Linear",)),)),)))
 @example(
     recipe=Recipe(
