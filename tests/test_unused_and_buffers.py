@@ -154,17 +154,19 @@ def train(
 
 
 @pytest.fixture(scope="module")
-def under_ddp(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Callable[..., tuple[Path, list[State]]]]:
-    """Trains a recipe uninterrupted under ``ddp`` once per module; returns its directory and final states."""
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., tuple[Path, list[State]]]]:
+    """Trains a recipe under a strategy of ``STRATEGIES`` once per module (the ``ddp`` references and the saving runs
+    that several tests read); returns the run's directory and final states."""
     runs: dict[str, tuple[Path, list[State]]] = {}
 
-    def run(trainer_options: dict[str, Any] | None = None, **recipe: Any) -> tuple[Path, list[State]]:
-        key = repr(sorted({**recipe, **(trainer_options or {})}.items()))
+    def run(
+        strategy: str, epochs: int = 2, trainer_options: dict[str, Any] | None = None, **recipe: Any
+    ) -> tuple[Path, list[State]]:
+        key = repr((strategy, epochs, sorted({**recipe, **(trainer_options or {})}.items())))
         if key not in runs:
-            directory = tmp_path_factory.mktemp("ddp")
-            runs[key] = directory, train(ddp(), directory, trainer_options=trainer_options, **recipe)
+            directory = tmp_path_factory.mktemp(strategy)
+            states = train(STRATEGIES[strategy](), directory, epochs=epochs, trainer_options=trainer_options, **recipe)
+            runs[key] = directory, states
         return runs[key]
 
     yield run
@@ -189,16 +191,13 @@ def assert_trains_like_ddp(got: list[State], expected: list[State], buffers: lis
 PERSISTENT_BUFFERS = ["norm.running_mean", "norm.running_var", "norm.num_batches_tracked"]
 
 
-def _fsdp2(state_dict_type: str = "full") -> FSDP2Strategy:
-    return FSDP2Strategy(start_method="fork", state_dict_type=state_dict_type)  # type: ignore[arg-type]
-
-
-READERS: dict[str, Callable[[], Any]] = {
-    "fsdp2_sharded": lambda: _fsdp2("sharded"),
-    "fsdp2": _fsdp2,
-    "ddp_sharded": lambda: ShardedDDPStrategy(start_method="fork"),
-    "fsdp_fairscale": lambda: FairScaleFSDPStrategy(start_method="fork"),
+STRATEGIES: dict[str, Callable[[], Any]] = {
     "ddp": ddp,
+    "fsdp2": lambda: FSDP2Strategy(start_method="fork"),
+    "fsdp2_sharded": lambda: FSDP2Strategy(start_method="fork", state_dict_type="sharded"),
+    "ddp_sharded": lambda: ShardedDDPStrategy(start_method="fork"),
+    "ddp_sharded_buckets": lambda: ShardedDDPStrategy(start_method="fork", reduce_buffer_size=BUCKETS),
+    "fsdp_fairscale": lambda: FairScaleFSDPStrategy(start_method="fork"),
 }
 
 
@@ -208,7 +207,7 @@ def _resume(reader: str, checkpoint: Path, directory: Path, **recipe: Any) -> tu
     if reader == "consolidated":
         consolidate_checkpoint(checkpoint, directory / "consolidated.ckpt", show_progress=False)
         checkpoint, reader = directory / "consolidated.ckpt", "ddp"
-    states = train(READERS[reader](), directory / "resumed", ckpt_path=checkpoint, **recipe)
+    states = train(STRATEGIES[reader](), directory / "resumed", ckpt_path=checkpoint, **recipe)
     return states, directory / "resumed" / "end.ckpt"
 
 
@@ -216,23 +215,23 @@ def _resume(reader: str, checkpoint: Path, directory: Path, **recipe: Any) -> tu
 
 
 @pytest.mark.parametrize(
-    ("state_dict_type", "reader"),
+    ("saver", "reader"),
     [
-        ("sharded", "fsdp2_sharded"),
-        ("sharded", "ddp_sharded"),
-        ("sharded", "fsdp_fairscale"),
-        ("sharded", "consolidated"),
-        ("full", "fsdp2"),
+        ("fsdp2_sharded", "fsdp2_sharded"),
+        ("fsdp2_sharded", "ddp_sharded"),
+        ("fsdp2_sharded", "fsdp_fairscale"),
+        ("fsdp2_sharded", "consolidated"),
+        ("fsdp2", "fsdp2"),
     ],
 )
 def test_fsdp2_checkpoints_of_a_model_with_an_uncalled_submodule_resume_like_ddp(
-    tmp_path: Path, under_ddp: Any, state_dict_type: str, reader: str
+    tmp_path: Path, trained: Any, saver: str, reader: str
 ) -> None:
     recipe = {"optimizer": "adam", "batch_norm": False}
-    ddp_directory, expected = under_ddp(**recipe)
-    train(_fsdp2(state_dict_type), tmp_path / "saved", epochs=1, **recipe)
+    ddp_directory, expected = trained("ddp", **recipe)
+    saved, _ = trained(saver, epochs=1, **recipe)
 
-    got, end = _resume(reader, tmp_path / "saved" / "epoch=0.ckpt", tmp_path, **recipe)
+    got, end = _resume(reader, saved / "epoch=0.ckpt", tmp_path, **recipe)
 
     assert_trains_like_ddp(got, expected, buffers=[])
     if reader != "fsdp_fairscale":  # its flat parameters keep state for every parameter they hold
@@ -241,31 +240,31 @@ def test_fsdp2_checkpoints_of_a_model_with_an_uncalled_submodule_resume_like_ddp
 
 
 @pytest.mark.parametrize(
-    ("state_dict_type", "reader"),
+    ("saver", "reader"),
     [
-        ("sharded", "fsdp2_sharded"),
-        ("sharded", "ddp_sharded"),
-        ("sharded", "fsdp_fairscale"),
-        ("full", "fsdp2"),
+        ("fsdp2_sharded", "fsdp2_sharded"),
+        ("fsdp2_sharded", "ddp_sharded"),
+        ("fsdp2_sharded", "fsdp_fairscale"),
+        ("fsdp2", "fsdp2"),
     ],
 )
 def test_fsdp2_checkpoints_resume_with_rank_zeros_buffers_like_ddp(
-    tmp_path: Path, under_ddp: Any, state_dict_type: str, reader: str
+    tmp_path: Path, trained: Any, saver: str, reader: str
 ) -> None:
     recipe = {"optimizer": "sgd", "uncalled": False}
-    _, expected = under_ddp(**recipe)
-    train(_fsdp2(state_dict_type), tmp_path / "saved", epochs=1, **recipe)
+    _, expected = trained("ddp", **recipe)
+    saved, _ = trained(saver, epochs=1, **recipe)
 
-    got, _ = _resume(reader, tmp_path / "saved" / "epoch=0.ckpt", tmp_path, **recipe)
+    got, _ = _resume(reader, saved / "epoch=0.ckpt", tmp_path, **recipe)
 
     assert_trains_like_ddp(got, expected, buffers=PERSISTENT_BUFFERS)
 
 
-def test_fsdp2_trains_persistent_and_non_persistent_buffers_like_ddp(tmp_path: Path, under_ddp: Any) -> None:
+def test_fsdp2_trains_persistent_and_non_persistent_buffers_like_ddp(trained: Any) -> None:
     recipe = {"optimizer": "sgd", "uncalled": False}
-    _, expected = under_ddp(**recipe)
+    _, expected = trained("ddp", **recipe)
 
-    got = train(_fsdp2(), tmp_path, **recipe)
+    _, got = trained("fsdp2", **recipe)
 
     assert_trains_like_ddp(got, expected, buffers=[*PERSISTENT_BUFFERS, "input_mean"])
 
@@ -273,34 +272,28 @@ def test_fsdp2_trains_persistent_and_non_persistent_buffers_like_ddp(tmp_path: P
 # ---------------------------------------------------------------------------------------------- uncalled submodules
 
 
-def _sharded_ddp(**options: Any) -> Callable[[], ShardedDDPStrategy]:
-    return lambda: ShardedDDPStrategy(start_method="fork", **options)
-
-
-UNCALLED_CASES = {
-    "ddp_sharded-buckets-sgd": (_sharded_ddp(reduce_buffer_size=BUCKETS), {"optimizer": "sgd"}, {}),
-    "ddp_sharded-buckets-adam": (_sharded_ddp(reduce_buffer_size=BUCKETS), {"optimizer": "adam"}, {}),
-    "ddp_sharded-buckets-adamw": (_sharded_ddp(reduce_buffer_size=BUCKETS), {"optimizer": "adamw"}, {}),
+UNCALLED_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "ddp_sharded-buckets-sgd": ("ddp_sharded_buckets", {"optimizer": "sgd"}, {}),
+    "ddp_sharded-buckets-adam": ("ddp_sharded_buckets", {"optimizer": "adam"}, {}),
+    "ddp_sharded-buckets-adamw": ("ddp_sharded_buckets", {"optimizer": "adamw"}, {}),
     "ddp_sharded-buckets-sgd-accumulating": (
-        _sharded_ddp(reduce_buffer_size=BUCKETS),
+        "ddp_sharded_buckets",
         {"optimizer": "sgd"},
         {"accumulate_grad_batches": 2},
     ),
-    "ddp_sharded-adamw-manual": (_sharded_ddp(), {"optimizer": "adamw", "manual": True}, {}),
-    "fsdp2-sgd-accumulating": (_fsdp2, {"optimizer": "sgd"}, {"accumulate_grad_batches": 2}),
-    "fsdp2-adamw-manual": (_fsdp2, {"optimizer": "adamw", "manual": True}, {}),
+    "ddp_sharded-adamw-manual": ("ddp_sharded", {"optimizer": "adamw", "manual": True}, {}),
+    "fsdp2-sgd-accumulating": ("fsdp2", {"optimizer": "sgd"}, {"accumulate_grad_batches": 2}),
+    "fsdp2-adamw-manual": ("fsdp2", {"optimizer": "adamw", "manual": True}, {}),
 }
 
 
 @pytest.mark.parametrize("case", list(UNCALLED_CASES))
-def test_a_submodule_no_step_calls_stays_and_has_no_optimizer_state_as_under_ddp(
-    tmp_path: Path, under_ddp: Any, case: str
-) -> None:
+def test_a_submodule_no_step_calls_stays_and_has_no_optimizer_state_as_under_ddp(trained: Any, case: str) -> None:
     strategy, recipe, trainer_options = UNCALLED_CASES[case]
     recipe = {**recipe, "batch_norm": False}
-    ddp_directory, expected = under_ddp(trainer_options, **recipe)
+    ddp_directory, expected = trained("ddp", trainer_options=trainer_options, **recipe)
 
-    got = train(strategy(), tmp_path, trainer_options=trainer_options, **recipe)
+    directory, got = trained(strategy, trainer_options=trainer_options, **recipe)
 
     assert_trains_like_ddp(got, expected, buffers=[])
-    assert_same_checkpoint_state(ddp_directory / "end.ckpt", tmp_path / "end.ckpt", atol=ATOL)
+    assert_same_checkpoint_state(ddp_directory / "end.ckpt", directory / "end.ckpt", atol=ATOL)
