@@ -10,6 +10,8 @@ second epoch from the checkpoint the first wrote.
 - fsdp2's sharded directories hold no optimizer state for such a parameter, and resume (torch's load template has
   state for every parameter, and the check refused the directory).
 - fsdp2's sharded directories hold rank 0's buffers (DCP took each from whichever rank had written least).
+- A sharded fsdp2 save before the first step leaves the optimizers without state (torch's state-dict API stepped
+  them once to create it: Adam's step count ran one ahead).
 """
 
 from __future__ import annotations
@@ -258,6 +260,31 @@ def test_fsdp2_checkpoints_resume_with_rank_zeros_buffers_like_ddp(
     got, _ = _resume(reader, saved / "epoch=0.ckpt", tmp_path, **recipe)
 
     assert_trains_like_ddp(got, expected, buffers=PERSISTENT_BUFFERS)
+
+
+class SaveAtTrainStart(pl.Callback):
+    """Saves a checkpoint before the first step (the optimizers have no state yet)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def test_a_sharded_fsdp2_save_before_the_first_step_changes_no_training_and_resumes_like_ddp(
+    tmp_path: Path, trained: Any
+) -> None:
+    recipe = {"optimizer": "adam", "batch_norm": False}
+    _, expected = trained("ddp", **recipe)
+    final = FinalState(tmp_path / "saving")
+    model = seeded(**recipe)
+    fit(STRATEGIES["fsdp2_sharded"](), model, callbacks=[SaveAtTrainStart(tmp_path / "start.ckpt"), final])
+
+    resumed, _ = _resume("fsdp2_sharded", tmp_path / "start.ckpt", tmp_path, **recipe)
+
+    assert_trains_like_ddp(final.read(), expected, buffers=[])  # Adam's step count did not run one ahead
+    assert_trains_like_ddp(resumed, expected, buffers=[])
 
 
 def test_fsdp2_trains_persistent_and_non_persistent_buffers_like_ddp(trained: Any) -> None:

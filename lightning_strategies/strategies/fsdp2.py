@@ -421,6 +421,8 @@ class FSDP2Strategy(DirectReferenceStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self._state_dict_type == "sharded":
             raw = getattr(optimizer, "_optimizer", optimizer)
+            if not raw.state:  # before the first step torch's API steps the optimizer once (Adam's count ran ahead)
+                return canonical_to_name_keyed(raw.state_dict(), [name for names in self._names(raw) for name in names])
             return dict(get_optimizer_state_dict(self.require_lightning_module(), raw))
         return super().optimizer_state(optimizer)
 
