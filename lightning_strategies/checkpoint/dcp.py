@@ -138,6 +138,12 @@ class SafeFileSystemReader(FileSystemReader):
         """torch's reading, with damage in a file reported by the file's name."""
         try:
             return super().read_data(plan, planner)
+        except _UnsafeItemError as error:  # damaged bytes read the same as a crafted pickle: both named, with the file
+            file = self.storage_data[error.read_item.storage_index].relative_path
+            raise CheckpointFormatError(
+                f"Sharded checkpoint {str(self.path)!r}: {file} is damaged, or crafted to run code ({error}). Use"
+                " another checkpoint."
+            ) from error
         except CheckpointFormatError:
             raise
         except Exception as error:  # whatever torch.load raises on damaged bytes
@@ -149,6 +155,14 @@ class SafeFileSystemReader(FileSystemReader):
             ) from error
 
 
+class _UnsafeItemError(CheckpointFormatError):
+    """A non-tensor item that torch's weights-only unpickler refuses (:class:`SafeFileSystemReader` names its file)."""
+
+    def __init__(self, message: str, read_item: ReadItem) -> None:
+        super().__init__(message)
+        self.read_item = read_item
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """torch's ``DefaultLoadPlanner`` with non-tensor items loaded ``weights_only=True`` (torch uses ``False``)."""
 
@@ -157,9 +171,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as error:
-            raise CheckpointFormatError(
-                f"Item {read_item.dest_index.fqn!r} of a sharded checkpoint only unpickles by running code, which this"
-                f" package refuses ({error})."
+            # torch's message is long; the line that names the refused opcode or global says what happened.
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            reason = next((line for line in lines if line.startswith("Unsupported")), lines[0] if lines else "")
+            raise _UnsafeItemError(
+                f"item {read_item.dest_index.fqn!r} only unpickles by running code, which this package refuses:"
+                f" {reason}",
+                read_item,
             ) from error
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
