@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
@@ -138,6 +138,12 @@ class SafeFileSystemReader(FileSystemReader):
         """torch's reading, with damage in a file reported by the file's name."""
         try:
             return super().read_data(plan, planner)
+        except _UnsafeItemError as error:  # damaged bytes read the same as a crafted pickle: both named, with the file
+            file = self.storage_data[error.read_item.storage_index].relative_path
+            raise CheckpointFormatError(
+                f"Sharded checkpoint {str(self.path)!r}: {file} is damaged, or crafted to run code ({error}). Use"
+                " another checkpoint."
+            ) from error
         except CheckpointFormatError:
             raise
         except Exception as error:  # whatever torch.load raises on damaged bytes
@@ -149,6 +155,14 @@ class SafeFileSystemReader(FileSystemReader):
             ) from error
 
 
+class _UnsafeItemError(CheckpointFormatError):
+    """A non-tensor item that torch's weights-only unpickler refuses (:class:`SafeFileSystemReader` names its file)."""
+
+    def __init__(self, message: str, read_item: ReadItem) -> None:
+        super().__init__(message)
+        self.read_item = read_item
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """torch's ``DefaultLoadPlanner`` with non-tensor items loaded ``weights_only=True`` (torch uses ``False``)."""
 
@@ -157,14 +171,29 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as error:
-            raise CheckpointFormatError(
-                f"Item {read_item.dest_index.fqn!r} of a sharded checkpoint only unpickles by running code, which this"
-                f" package refuses ({error})."
+            # torch's message is long; the line that names the refused opcode or global says what happened.
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            reason = next((line for line in lines if line.startswith("Unsupported")), lines[0] if lines else "")
+            raise _UnsafeItemError(
+                f"item {read_item.dest_index.fqn!r} only unpickles by running code, which this package refuses:"
+                f" {reason}",
+                read_item,
             ) from error
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def rank_zero_save_planner() -> DefaultSavePlanner:
+    """torch's default save planner, with each item that several ranks hold whole written from the lowest of them.
+
+    DCP writes one copy of an item every rank holds as a plain tensor (a buffer, an optimizer's ``step``) and by default
+    takes it from the rank that has written the least so far. Under fsdp2 each rank keeps its own buffers (BatchNorm's
+    running statistics, until the next step broadcasts rank 0's), so a directory held another rank's statistics for
+    some buffers; ``ddp``'s checkpoints, which rank 0 writes, hold rank 0's.
+    """
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 
 
 def dcp_stamps(save_id: str, rank: int) -> dict[str, Tensor]:
@@ -391,6 +420,29 @@ def iter_dcp_items(directory: Path, metadata: Metadata) -> Iterator[tuple[str, A
             target = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)}
             load_dcp_items(target, directory)
             yield key, target[key]
+
+
+def saved_parameters_only(templates: list[dict[str, Any]], stored: Metadata, layout: DcpLayout) -> list[dict[str, Any]]:
+    """Each optimizer's load template without the state of parameters the directory holds no state for.
+
+    torch's template (``get_optimizer_state_dict``) steps a fresh optimizer once, so it has state for every parameter;
+    a parameter that had none when the directory was saved (it never received a gradient: a submodule the steps never
+    call) keeps none after the load, as under ``ddp``. A parameter whose state is only partly saved stays in the
+    template, for :func:`check_dcp_optimizer_states` to name what is missing.
+
+    Args:
+        templates: Each optimizer's state as torch's distributed state-dict API gives it.
+        stored: The directory's metadata.
+        layout: Where the directory keeps each optimizer.
+    """
+    paths = stored.planner_data if isinstance(stored.planner_data, dict) else {}
+    kept = []
+    for index, template in enumerate(templates):
+        key_of_optimizer = layout.optimizer_key(index)
+        saved = {str(path[2]) for path in paths.values() if len(path) > 2 and path[:2] == (key_of_optimizer, "state")}
+        state = {name: entries for name, entries in template["state"].items() if name in saved}
+        kept.append({**template, "state": state})
+    return kept
 
 
 def check_dcp_optimizer_states(

@@ -47,7 +47,9 @@ from lightning_strategies.checkpoint.dcp import (
     dcp_model_layout,
     dcp_optimizer_count,
     dcp_stamps,
+    rank_zero_save_planner,
     safe_dcp_load,
+    saved_parameters_only,
 )
 from lightning_strategies.checkpoint.flat import gather_to_rank0, local_part_like
 from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed
@@ -441,6 +443,8 @@ class FSDP2Strategy(DirectReferenceStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self._state_dict_type == "sharded":
             raw = getattr(optimizer, "_optimizer", optimizer)
+            if not raw.state:  # before the first step torch's API steps the optimizer once (Adam's count ran ahead)
+                return canonical_to_name_keyed(raw.state_dict(), [name for names in self._names(raw) for name in names])
             return dict(get_optimizer_state_dict(self.require_lightning_module(), raw))
         return super().optimizer_state(optimizer)
 
@@ -478,7 +482,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
             self.require_lightning_module(),
             optimizer,
             optim_state_dict=by_name,
-            options=StateDictOptions(full_state_dict=True),
+            options=StateDictOptions(full_state_dict=True, strict=False),  # checked; stateless parameters allowed
         )
         # torch's loader re-packs hyperparameters (Adam's ``betas`` tuple comes back a list): set them as saved.
         for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
@@ -510,7 +514,9 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
         def write_dcp(staging: Path, save_id: str) -> None:
             try:
-                dcp_save({**sharded, **dcp_stamps(save_id, self.global_rank)}, checkpoint_id=staging)
+                # Buffers and other whole tensors from rank 0, as under ddp (each rank keeps its own running stats).
+                state = {**sharded, **dcp_stamps(save_id, self.global_rank)}
+                dcp_save(state, checkpoint_id=staging, planner=rank_zero_save_planner())
             except CheckpointException as error:  # does not survive the trip to the launching process: re-told
                 raise_if_disk_full(error, directory)
                 raise RuntimeError(f"Saving sharded checkpoint {str(directory)!r} failed: {error}") from None
@@ -555,7 +561,8 @@ class FSDP2Strategy(DirectReferenceStrategy):
             self._resume_without_optimizer_state(checkpoint)  # one warning; the optimizers start fresh
         elif self._restoring_sharded_optimizer_states(checkpoint):
             optimizers = self._raw_optimizers()
-            restore.optimizer_templates = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
+            templates = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
+            restore.optimizer_templates = saved_parameters_only(templates, stored, layout)
             check_dcp_optimizer_states(restore.optimizer_templates, stored, layout, source=sharded.source)
         current = get_model_state_dict(module)
         model_state = {key: value for key, value in current.items() if key in saved_model}
@@ -575,9 +582,13 @@ class FSDP2Strategy(DirectReferenceStrategy):
         module = self.require_lightning_module()
         optimizers = self._raw_optimizers()
         # The templates the check built: the optimizers' states, which the model's load left as they were.
-        templates = restore.optimizer_templates or [get_optimizer_state_dict(module, opt) for opt in optimizers]
+        templates = restore.optimizer_templates or saved_parameters_only(
+            [get_optimizer_state_dict(module, opt) for opt in optimizers], restore.stored, layout
+        )
         directory = restore.sharded.directory
         safe_dcp_load({layout.optimizer_key(i): template for i, template in enumerate(templates)}, directory)
+        # Not strict: a parameter that had no state when saved (never a gradient) has none now, as under ddp.
+        options = StateDictOptions(strict=False)
         for optimizer, state in zip(optimizers, templates, strict=True):
-            set_optimizer_state_dict(module, optimizer, optim_state_dict=state)
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=options)
         self._sharded_checkpoint = None

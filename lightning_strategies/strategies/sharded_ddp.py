@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -13,9 +13,11 @@ import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
 from fairscale.optim import OSS
 from torch import Tensor
+from torch.distributed import ReduceOp
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_strategies.checkpoint import shallow_copy_state
@@ -160,6 +162,11 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
         self._prescaled_gradients: list[Tensor] = []
         # Weak references: a gradient that zero_grad dropped is freed, not kept alive here.
         self._averaged_gradients: dict[Tensor, weakref.ref[Tensor]] = {}
+        # With gradient buckets (see _hide_gradients_no_rank_computed): the parameters whose gradient backward
+        # accumulated on this rank since the last synchronised pass, and the bucket views set aside for a step.
+        self._reached: set[Tensor] = set()
+        self._reached_hooks: list[RemovableHandle] = []
+        self._hidden_gradients: list[tuple[Tensor, Tensor]] = []
 
     @override
     def configure_for_fit(self, trainer: pl.Trainer) -> None:
@@ -192,6 +199,61 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
             _broadcast_tensors_from_rank0(module, kwargs.get("process_group"))
         kwargs["sync_models_at_startup"] = False
         self.model = ShardedDataParallel(module, sharded_optimizer=sharded, **kwargs)
+        self._track_reached_parameters(module)
+
+    def _track_reached_parameters(self, module: Module) -> None:
+        """With buckets, records which parameters each backward pass gives a gradient (their post-accumulate hook).
+
+        fairscale's gradient buckets make every bucketed parameter's gradient a view into the bucket, from the start and
+        through every ``zero_grad``: a parameter that no rank's backward reached (a submodule the step never calls)
+        has a zero gradient instead of ``None``, and the optimizer moved it (weight decay, momentum, Adam's state) where
+        ``ddp`` leaves it alone. Without buckets such a gradient stays ``None``.
+        """
+        for handle in self._reached_hooks:
+            handle.remove()
+        self._reached_hooks, self._reached, self._hidden_gradients = [], set(), []
+        if self._sharded_ddp_kwargs["reduce_buffer_size"] <= 0:
+            return
+        reached = self._reached
+        record: Callable[[Tensor], None] = reached.add
+        self._reached_hooks = [
+            param.register_post_accumulate_grad_hook(record)  # type: ignore[no-untyped-call]  # untyped in torch
+            for param in module.parameters()
+            if param.requires_grad
+        ]
+
+    def _hide_gradients_no_rank_computed(self, module: Module) -> None:
+        """Sets aside, until the optimizer has stepped, the gradients of parameters that no rank's backward reached
+        since the last synchronised pass, so the optimizer skips them as under ``ddp`` (``find_unused_parameters``: a
+        parameter is unused when it is unused on every rank; one that a rank used keeps its averaged gradient). One
+        all-reduce of a flag per parameter, with buckets only."""
+        params = [param for param in module.parameters() if param.requires_grad]
+        if not params:
+            return
+        flags = torch.tensor([param in self._reached for param in params], dtype=torch.int32, device=self.root_device)
+        self._reached.clear()
+        torch.distributed.all_reduce(flags, op=ReduceOp.MAX, group=self._sharded_ddp_kwargs.get("process_group"))
+        for param, reached_somewhere in zip(params, flags.tolist(), strict=True):
+            grad = param.grad
+            if not reached_somewhere and grad is not None:
+                self._hidden_gradients.append((param, grad))
+                param.grad = None
+
+    def _restore_hidden_gradients(self) -> None:
+        """Gives the parameters back the bucket views set aside (zero: no backward wrote into them); the next backward
+        accumulates into the bucket through them."""
+        for param, grad in self._hidden_gradients:
+            param.grad = grad
+        self._hidden_gradients = []
+
+    @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Module | None = None, **kwargs: Any
+    ) -> Any:
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            self._restore_hidden_gradients()
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -206,6 +268,7 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
         world size before more is added to it (and divided again after a synchronised pass that did not reduce it).
         """
         super().pre_backward(closure_loss)
+        self._restore_hidden_gradients()  # a backward without an optimizer step after the last one
         wrapper = self.model
         self._prescaled_gradients = []
         if not isinstance(wrapper, ShardedDataParallel) or not wrapper.training:
@@ -235,6 +298,16 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
                 param.grad.mul_(wrapper._world_size_scaling)
                 self._averaged_gradients[param] = weakref.ref(param.grad)
         self._prescaled_gradients = []
+        if self._reached_hooks:
+            self._hide_gradients_no_rank_computed(self.require_lightning_module())
+
+    @override
+    def teardown(self) -> None:
+        self._restore_hidden_gradients()
+        for handle in self._reached_hooks:
+            handle.remove()
+        self._reached_hooks, self._reached = [], set()
+        super().teardown()
 
     @contextmanager
     @override
