@@ -4,9 +4,10 @@ One ``model.safetensors``, or, past ``max_shard_size``, ``model-00001-of-0000N.s
 ``model.safetensors.index.json`` that maps every key to its shard (``transformers``' ``from_pretrained`` reads both).
 Each file carries the header metadata ``{"format": "pt"}`` that ``from_pretrained`` requires.
 
-- Tied weights (keys whose tensors are one tensor: the same storage, offset, shape and strides) are written once,
-  under their first key, as ``save_pretrained`` does (GPT-2 keeps ``transformer.wte.weight`` and drops
-  ``lm_head.weight``); ``from_pretrained`` ties them again from the model's config.
+- Tied weights (keys whose tensors are one tensor: the same storage, offset, shape and strides, or names the model
+  registers for one parameter, given as ``tied_hints``) are written once, under their first key, as ``save_pretrained``
+  does (GPT-2 keeps ``transformer.wte.weight`` and drops ``lm_head.weight``); ``from_pretrained`` ties them again from
+  the model's config.
 - ``submodule`` keeps one submodule's keys and strips its prefix (``model.`` for a LightningModule that holds the
   Hugging Face model as ``self.model``).
 - ``dtype`` converts floating-point tensors (integer and boolean buffers keep theirs).
@@ -313,7 +314,9 @@ def write_safetensors(
         submodule: Keep only this submodule's keys, without its prefix (e.g. ``"model"``).
         dtype: Convert floating-point tensors to this dtype (``"bf16"``, ``torch.float16`` ...).
         max_shard_size: Largest shard in bytes (``"5GB"``, ``"500MiB"``, an int); past it the state is sharded.
-        tied_hints: ``{alias: holder}`` of tied parameters, for states whose tied tensors arrive as copies.
+        tied_hints: ``{alias: holder}`` of tied parameters, keyed like ``state`` (before ``submodule`` is stripped),
+            for states whose tied tensors arrive as copies (a ``torch.distributed.checkpoint`` directory stores each
+            name's copy); used only where both keys hold equal tensors.
         force: Replace an export already in ``directory``.
         tally: Makes a progress count over the tensors written.
 
@@ -331,7 +334,13 @@ def write_safetensors(
     limit = parse_size(max_shard_size)
     check_output_directory(directory, force=force)
     tensors = select_tensors(state, submodule)
-    tied = tied_keys(tensors, tied_hints)
+    prefix = f"{submodule.strip('.')}." if submodule else ""
+    hints = {
+        alias[len(prefix) :]: holder[len(prefix) :]
+        for alias, holder in (tied_hints or {}).items()
+        if alias.startswith(prefix) and holder.startswith(prefix)
+    }
+    tied = tied_keys(tensors, hints)
     kept = [key for key in tensors if key not in tied]
 
     def size(tensor: Tensor) -> int:

@@ -182,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="largest file, e.g. 5GB (10**9 bytes, as Hugging Face counts), 500MB, 2GiB or bytes (default 5GB)",
     )
+    export.add_argument(
+        "--module",
+        dest="model_class",
+        metavar="PKG.MOD:CLASS",
+        help="also require the state to fit this model class, and write the parameters it ties once even where the"
+        " checkpoint holds copies (torch.distributed.checkpoint directories store each tied name's copy)",
+    )
     export.add_argument("--force", action="store_true", help="replace an export already in OUT")
     export.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     export.set_defaults(handler=_export)
@@ -222,6 +229,7 @@ def _export(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size,
         force=args.force,
         show_progress=not args.no_progress,
+        module_spec=args.model_class,
     )
     dtype = f", floating point as {str(result.dtype).removeprefix('torch.')}" if result.dtype is not None else ""
     print(

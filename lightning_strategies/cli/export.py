@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_strategies.checkpoint import CheckpointError, read_checkpoint
 from lightning_strategies.checkpoint.consolidation import consolidate
+from lightning_strategies.checkpoint.model_state import tied_parameter_aliases
 from lightning_strategies.checkpoint.safetensors_export import (
     Export,
     ExportError,
@@ -28,6 +29,7 @@ from lightning_strategies.checkpoint.sharded import open_sharded
 
 from ._common import CommandError, Progress, UsageError, existing_input
 from .inspection import Inspection, model_state_findings
+from .model_class import load_model_class
 
 
 def _model_state(source: Path) -> dict[str, Any]:
@@ -67,6 +69,7 @@ def export_checkpoint(
     max_shard_size: str = "5GB",
     force: bool = False,
     show_progress: bool = True,
+    module_spec: str | None = None,
 ) -> Export:
     """Writes the model of a checkpoint as safetensors into the directory ``out``.
 
@@ -78,6 +81,8 @@ def export_checkpoint(
         max_shard_size: Largest file (``5GB``, ``500MB``, ``2GiB``, bytes); past it the export is sharded.
         force: Replace an export already in ``out``.
         show_progress: Show a progress bar over tensors on stderr.
+        module_spec: ``"pkg.module:Class"``: require the state to fit that class, and write the parameters it ties
+            once even when the checkpoint holds them as copies (``torch.distributed.checkpoint`` directories).
 
     Returns:
         What was written.
@@ -88,6 +93,7 @@ def export_checkpoint(
     """
     existing_input(source)
     _check_paths(source, out)
+    expected = load_model_class(module_spec) if module_spec else None
     try:
         parse_dtype(dtype)
         parse_size(max_shard_size)
@@ -100,7 +106,7 @@ def export_checkpoint(
     except (CheckpointError, FileNotFoundError) as error:
         raise CommandError(f"{error} Nothing was written.") from error
     report = Inspection(str(source), "export")
-    model_state_findings(report, state, None, str(source))
+    model_state_findings(report, state, expected.state_dict() if expected is not None else None, str(source))
     if report.errors:
         reasons = "\n".join(f"  - {finding.code}: {finding.message}" for finding in report.errors)
         raise CommandError(
@@ -114,6 +120,7 @@ def export_checkpoint(
             dtype=dtype,
             max_shard_size=max_shard_size,
             force=force,
+            tied_hints=tied_parameter_aliases(expected) if expected is not None else None,
             tally=lambda total: Progress(total, "exporting", show_progress),
         )
     except (CheckpointError, OSError) as error:

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 from pytorch_lightning.strategies import DDPStrategy
+from safetensors import safe_open
 from torch.utils.data import default_collate
 
 from lightning_strategies.cli import main
-from tests.helpers import canonical_checkpoint
 from tests.zoo.harness import REFERENCE, ModelReport, ZooStrategy, default_strategies, run_model
 from tests.zoo.models import BATCH_SIZE, ZOO, ZooModel
 
@@ -80,6 +80,11 @@ def test_inspect_finds_nothing_and_a_sharded_save_consolidates_to_the_full_check
     assert not failures, report.explain(failures)
 
 
+def _exported_keys(directory: Path) -> list[str]:
+    with safe_open(str(directory / "model.safetensors"), "pt") as exported:
+        return list(exported.keys())
+
+
 # Exported from ddp's full file and from the sharded directories of fsdp_fairscale (rank files) and fsdp2 (DCP).
 EXPORTS = [(model, saver, saver != REFERENCE) for model in ZOO for saver in (REFERENCE, "fsdp_fairscale", "fsdp2")]
 EXPORT_IDS = [f"{model.id}-{saver}{'-sharded' if sharded else ''}" for model, saver, sharded in EXPORTS]
@@ -94,11 +99,16 @@ def test_the_export_loads_with_from_pretrained_and_gives_the_trained_models_outp
     if not checkpoint.exists():
         pytest.fail(f"[{model.name}] {saved_by}: not checked, its save failed (checks 1 and 4 say why)")
     out = tmp_path / "export"
+    # A DCP directory holds a copy per tied name; the model class says which names are one parameter.
+    module = ["--module", f"{model.module.__module__}:{model.module.__qualname__}"] if saved_by == "fsdp2" else []
 
-    assert main(["export", str(checkpoint), str(out), "--submodule", "model", "--no-progress"]) == 0
+    assert main(["export", str(checkpoint), str(out), "--submodule", "model", "--no-progress", *module]) == 0
 
-    trained = model.module()
-    trained.load_state_dict(canonical_checkpoint(checkpoint)["state_dict"])
+    trained = model.module()  # the trained model: the same run's full save (check 4: equal to the sharded one)
+    trained.load_state_dict(torch.load(report.saved_checkpoint(saved_by), weights_only=True)["state_dict"])
+    trained.model.save_pretrained(tmp_path / "hf")  # what Hugging Face writes for the same model: the same keys
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as theirs:
+        assert set(_exported_keys(out)) == set(theirs.keys()), f"[{model.name}] other keys than save_pretrained's"
     trained.model.config.save_pretrained(out)  # the export holds weights; the config comes from the model
     loaded, info = type(trained.model).from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), f"[{model.name}] from_pretrained of the export of {saved_by}'s save: {info}"
