@@ -53,7 +53,7 @@ class SafetensorsExport(pl.Callback):
         max_shard_size: Largest file (``"5GB"``, ``"500MiB"``, bytes); past it the export is sharded.
 
     Attributes:
-        export: What the last export wrote (on global rank 0; ``None`` elsewhere and before the end of ``fit``).
+        written: What the last export wrote (on global rank 0; ``None`` elsewhere and before the end of ``fit``).
 
     Raises:
         ValueError: A bad ``dtype`` or ``max_shard_size`` (at construction).
@@ -71,7 +71,7 @@ class SafetensorsExport(pl.Callback):
         self.submodule = submodule
         self.dtype = parse_dtype(dtype)
         self.max_shard_size = parse_size(max_shard_size)
-        self.export: Export | None = None
+        self.written: Export | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -101,7 +101,7 @@ class SafetensorsExport(pl.Callback):
         failure = ""
         if trainer.is_global_zero:
             try:
-                self.export = write_safetensors(
+                self.written = write_safetensors(
                     state,
                     self.dirpath,
                     submodule=self.submodule,

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import sys
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from pytorch_lightning.strategies import DDPStrategy
 from safetensors import safe_open
@@ -22,6 +24,7 @@ from torch import nn
 
 from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy
 from lightning_strategies.callbacks import SafetensorsExport
+from lightning_strategies.checkpoint.safetensors_export import write_safetensors
 from lightning_strategies.cli import main
 from lightning_strategies.testing import ConformanceModel
 from tests.conftest import free_loopback_port
@@ -223,6 +226,26 @@ def test_export_without_safetensors_names_the_extra_that_installs_it(
     assert "pip install 'lightning-strategies[export]'" in capsys.readouterr().err
     with pytest.raises(Exception, match=r"lightning-strategies\[export\]"):  # raised in the workers
         fit("ddp_sharded_fork", new_model(), callbacks=[SafetensorsExport(tmp_path / "callback")], max_epochs=1)
+
+
+def test_the_writer_holds_one_converted_shard_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_file = safetensors.torch.save_file
+    shards: list[list[weakref.ref[torch.Tensor]]] = []
+    earlier_alive: list[int] = []
+
+    def recording(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str]) -> None:
+        earlier_alive.append(sum(ref() is not None for shard in shards for ref in shard))
+        shards.append([weakref.ref(tensor) for tensor in tensors.values()])
+        save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", recording)
+    state = {f"layer{index}.weight": torch.randn(32, 32) for index in range(6)}
+
+    written = write_safetensors(state, tmp_path / "out", dtype="bf16", max_shard_size=2 * 32 * 32 * 2)
+
+    assert len(written.files) == 4 and len(shards) == 3  # 3 shards of 2 bf16 tensors, and the index
+    assert earlier_alive == [0, 0, 0]  # each shard's converted tensors are gone before the next is converted
+    _assert_holds(tmp_path / "out", {key: value.to(torch.bfloat16) for key, value in state.items()})
 
 
 # ---------------------------------------------------------------------------------------------- every input kind
