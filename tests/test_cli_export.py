@@ -102,6 +102,15 @@ def test_export_writes_the_model_state_into_model_safetensors(tmp_path: Path) ->
         assert exported.metadata() == {"format": "pt"}  # from_pretrained refuses a file without it
 
 
+def test_export_reads_a_checkpoint_in_torchs_legacy_format(tmp_path: Path) -> None:
+    state = dict(ConformanceModel().state_dict())
+    source = tmp_path / "legacy.ckpt"
+    torch.save(_checkpoint(state), source, _use_new_zipfile_serialization=False)  # not a zip: no memory map
+
+    assert main(["export", str(source), str(tmp_path / "out")]) == 0
+    _assert_holds(tmp_path / "out", state)
+
+
 def test_export_keeps_only_a_submodule_without_its_prefix(tmp_path: Path) -> None:
     state = dict(ConformanceModel().state_dict())
     source = _save(_checkpoint(state), tmp_path / "model.ckpt")

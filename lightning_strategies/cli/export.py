@@ -10,6 +10,7 @@ shards are written from the file's pages; a sharded directory's model state is a
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,8 @@ def _model_state(source: Path) -> dict[str, Any]:
         sharded = open_sharded(source)
         state: dict[str, Any] = consolidate(sharded, model_only=True).checkpoint["state_dict"]
         return state
-    checkpoint = read_checkpoint(source, mmap=True)
+    # torch memory-maps only its zip format; a file in the legacy format (torch < 1.6) is read whole.
+    checkpoint = read_checkpoint(source, mmap=zipfile.is_zipfile(source))
     if "state_dict" in checkpoint:
         model: dict[str, Any] = checkpoint["state_dict"]
         return model
