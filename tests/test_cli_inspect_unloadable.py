@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_strategies import FairScaleFSDPStrategy
 from lightning_strategies.checkpoint import ModelStateMismatchError, check_model_state
 from lightning_strategies.cli import main
 from lightning_strategies.testing import ConformanceModel
-from tests.helpers import fit, new_model
+from tests.helpers import fit, new_model, train_and_save
 
 NESTED_PREFIXES = ["_fsdp_wrapped_module._fpw_module.", "module._forward_module."]
 
@@ -179,3 +180,18 @@ def test_resuming_a_legacy_checkpoint_with_nested_prefixes_is_refused_naming_the
         fit("ddp_sharded_fork", new_model(), ckpt_path=legacy, max_epochs=1)
 
     assert repr(prefix) in str(refused.value) and "lightning-strategies convert" in str(refused.value)
+
+
+def test_inspect_names_an_oversized_view_in_a_rank_file_of_a_sharded_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sharded = train_and_save(FairScaleFSDPStrategy(start_method="fork", state_dict_type="sharded"), tmp_path)
+    shard = torch.load(sharded / "rank1.pt", weights_only=True)
+    buffer = next(key for key in shard["state_dict"] if key.endswith("output_scale"))
+    shard["state_dict"][buffer] = _oversized()
+    torch.save(shard, sharded / "rank1.pt")
+
+    code, report = _inspect(sharded, capsys)
+
+    assert code == 1
+    assert f"'rank1.pt:{buffer}' declares 1,099,511,627,776 elements" in _unloadable(report)
