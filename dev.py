@@ -102,14 +102,14 @@ def _ensure(environment: Environment) -> None:
             f"installing pinned packages into {name} (torch CPU, pytorch-lightning, fairscale, test and docs tools)",
             *pip,
             "-e",
-            ".[pytorch-lightning,plots,docs,test,zoo]",
+            ".[pytorch-lightning,plots,docs,test,zoo,export]",
         )
     else:
         _step(
             f"installing pinned packages into {name} (torch CPU, fairscale, test tools)",
             *pip,
             "-e",
-            ".[plots,test]",
+            ".[plots,test,export]",
         )
         _step(f"installing lightning into {name} (without pytorch-lightning)", *pip, "--no-deps", "lightning")
         listed = _step(f"listing lightning's requirements in {name}", python, "-c", _LIGHTNING_REQUIREMENTS)

@@ -66,7 +66,7 @@ def _documented_command_lines() -> list[str]:
 
 def test_the_cli_page_documents_every_command() -> None:
     commands = {line.split()[1] for line in _documented_command_lines()}
-    assert commands == {"demo", "inspect", "convert", "consolidate"}
+    assert commands == {"demo", "inspect", "convert", "consolidate", "export"}
 
 
 @pytest.mark.parametrize("line", _documented_command_lines())

@@ -16,6 +16,7 @@ optimizer layout, the same Lightning entries (loops, schedulers, callbacks) and 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -81,12 +82,16 @@ class ConsolidatedState:
     optimizer_tensors: int
 
 
-def consolidate(sharded: ShardedCheckpoint, tally: TallyFactory | None = None) -> ConsolidatedState:
+def consolidate(
+    sharded: ShardedCheckpoint, tally: TallyFactory | None = None, *, model_only: bool = False
+) -> ConsolidatedState:
     """Builds the full canonical checkpoint of a sharded directory in memory.
 
     Args:
         sharded: The directory, from :func:`~lightning_strategies.checkpoint.sharded.open_sharded`.
         tally: Makes a progress count over tensors (default: none).
+        model_only: Read the model state only (for an export): no ``optimizer_states`` in the result, and the
+            optimizer's shards are not read.
 
     Returns:
         The checkpoint and what it holds.
@@ -97,9 +102,9 @@ def consolidate(sharded: ShardedCheckpoint, tally: TallyFactory | None = None) -
     factory = tally if tally is not None else (lambda total: _Silent())
     try:
         if sharded.format == "torch.distributed.checkpoint":
-            state, optimizer_states, optimizer_tensors = _dcp(sharded, factory)
+            state, optimizer_states, optimizer_tensors = _dcp(sharded, factory, model_only)
         else:
-            state, optimizer_states, optimizer_tensors = _fairscale(sharded, factory)
+            state, optimizer_states, optimizer_tensors = _fairscale(sharded, factory, model_only)
     except CheckpointError:
         raise
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, OSError) as error:
@@ -139,7 +144,9 @@ def _same_layout(layout: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
     return all(layout.get(key) == other.get(key) for key in ("version", "world_size", "units", "optimizers", "aliases"))
 
 
-def _fairscale(sharded: ShardedCheckpoint, tally: TallyFactory) -> tuple[dict[str, Any], list[Any], int]:
+def _fairscale(
+    sharded: ShardedCheckpoint, tally: TallyFactory, model_only: bool = False
+) -> tuple[dict[str, Any], list[Any], int]:
     directory, world_size = sharded.directory, sharded.world_size
     # Each file checked to be this save's shard of its rank; memory-mapped: a shard's bytes are read when its tensors
     # are concatenated, not all up front.
@@ -179,7 +186,7 @@ def _fairscale(sharded: ShardedCheckpoint, tally: TallyFactory) -> tuple[dict[st
     buffers = [key for key in shards[0]["state_dict"] if key not in unit_keys and key not in aliases]
     rank_optimizer_states = [shard.get("optimizer_states", []) for shard in shards]
     # A weights-only save wrote no optimizer state; its layout still lists the optimizers of its run.
-    optimizer_layouts = layout["optimizers"] if any(rank_optimizer_states) else []
+    optimizer_layouts = layout["optimizers"] if any(rank_optimizer_states) and not model_only else []
     optimizer_total = sum(
         len(units[unit_index]["names"]) * len(rank_optimizer_states[0][index]["state"].get(flat_index, {}))
         for index, optimizer_layout in enumerate(optimizer_layouts)
@@ -250,11 +257,20 @@ def _fairscale_optimizer(
 # ---------------------------------------------------------------------------------------------- DCP
 
 
-def _dcp(sharded: ShardedCheckpoint, tally: TallyFactory) -> tuple[dict[str, Any], list[Any], int]:
+def _dcp(
+    sharded: ShardedCheckpoint, tally: TallyFactory, model_only: bool = False
+) -> tuple[dict[str, Any], list[Any], int]:
     directory = sharded.directory
     metadata = read_dcp_files(sharded)  # .metadata read safely; every .distcp file there, whole, of this save
     layout = DcpLayout.of(metadata, sharded.source)
     paths: dict[str, tuple[Any, ...]] = dict(metadata.planner_data or {})
+    if model_only:  # the optimizer's items are left unread
+        model_items = {
+            key: item
+            for key, item in metadata.state_dict_metadata.items()
+            if layout.optimizer_index(str(paths.get(key, tuple(key.split(".", 1)))[0])) is None
+        }
+        metadata = dataclasses.replace(metadata, state_dict_metadata=model_items)
     values: dict[str, Any] = {}
     bar = tally(dcp_tensor_count(metadata))
     try:

@@ -78,15 +78,51 @@ def _listing(names: list[str]) -> str:
     return f"{shown} and {more} more" if more > 0 else shown
 
 
+_INNER_SEGMENTS = tuple(prefix.rstrip(".") for prefix in WRAPPER_PREFIXES if prefix.startswith("_"))
+
+
+def _leading_wrapper_prefixes(key: str) -> list[str]:
+    """The wrapper prefixes in front of ``key``, each nesting level as one more candidate: ``["module.",
+    "module._forward_module."]`` for ``module._forward_module.layer.weight``."""
+    candidates: list[str] = []
+    prefix = ""
+    while True:
+        rest = key[len(prefix) :]
+        found = next((p for p in WRAPPER_PREFIXES if rest.startswith(p) and len(rest) > len(p)), None)
+        if found is None:
+            return candidates
+        prefix += found
+        candidates.append(prefix)
+
+
 def _wrapper_prefix_hint(unexpected: list[str], expected: Mapping[str, Any]) -> str:
-    for prefix in WRAPPER_PREFIXES:
-        stripped = [key.removeprefix(prefix) for key in unexpected if key.startswith(prefix)]
-        if stripped and all(key in expected for key in stripped):
-            return (
-                f" The unexpected keys are the expected ones behind the wrapper prefix {prefix!r}: the state was read"
-                " from a wrapper instead of the LightningModule. Strip the prefix from the keys to repair the file."
+    # Each unexpected key is tried behind each nesting level of leading wrapper prefixes, then with the fairscale
+    # segments that FSDP inserts inside paths (`a._fsdp_wrapped_module.b`) removed: the expected key behind a
+    # wrapper, or not.
+    prefixes: list[str] = []
+    inner = False
+    for key in unexpected:
+        candidates = ["", *_leading_wrapper_prefixes(key)]
+        prefix = next((p for p in candidates if p and key[len(p) :] in expected), None)
+        if prefix is None:
+            prefix = next(
+                (p for p in candidates if strip_wrapper_segments(key[len(p) :], _INNER_SEGMENTS) in expected), None
             )
-    return ""
+            if prefix is None:
+                continue
+            inner = inner or strip_wrapper_segments(key[len(prefix) :], _INNER_SEGMENTS) != key[len(prefix) :]
+        if prefix and prefix not in prefixes:
+            prefixes.append(prefix)
+    parts = [f"the wrapper prefix {', '.join(map(repr, prefixes))}"] if prefixes else []
+    if inner:
+        parts.append(f"wrapper segments ({', '.join(map(repr, _INNER_SEGMENTS))}) inside their paths")
+    if not parts:
+        return ""
+    return (
+        f" The unexpected keys are the expected ones behind {' and '.join(parts)}: the state was read from a wrapper"
+        " instead of the LightningModule. Repair the file with `lightning-strategies convert CKPT OUT` (it removes"
+        " wrapper prefixes, nested ones included) and resume from OUT."
+    )
 
 
 def unusable_tensor(tensor: Tensor) -> str:

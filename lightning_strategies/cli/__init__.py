@@ -1,9 +1,9 @@
 """The ``lightning-strategies`` command line (also ``python -m lightning_strategies``).
 
-Commands: ``demo`` (train, save, resume with other strategies, report), ``inspect CKPT``, ``convert CKPT OUT`` and
-``consolidate DIR OUT``. Exit codes: 0 success, 1 a failed check (a checkpoint with errors, a refused repair, a demo
-whose resume was not lossless), 2 bad usage. Only ``demo`` needs Lightning; it is imported when ``demo`` runs, from
-whichever Lightning package is installed.
+Commands: ``demo`` (train, save, resume with other strategies, report), ``inspect CKPT``, ``convert CKPT OUT``,
+``consolidate DIR OUT`` and ``export CKPT OUT``. Exit codes: 0 success, 1 a failed check (a checkpoint with errors, a
+refused repair, a refused export, a demo whose resume was not lossless), 2 bad usage. Only ``demo`` needs Lightning; it
+is imported when ``demo`` runs, from whichever Lightning package is installed.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from types import ModuleType
 
 from .._flavour import LIGHTNING, PYTORCH_LIGHTNING, flavour_of
 from ..checkpoint.errors import CheckpointError
-from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CommandError, UsageError
+from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CommandError, UsageError, human_bytes
 from .consolidate import consolidate_checkpoint
 from .convert import CONVERTED_STRATEGY, convert_checkpoint
+from .export import export_checkpoint
 from .inspection import format_report, inspect_path
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
@@ -47,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Train, inspect, repair and consolidate checkpoints of lightning_strategies and Lightning.",
+        description=(
+            "Train, inspect, repair, consolidate and export checkpoints of lightning_strategies and Lightning."
+        ),
         epilog="Exit codes: 0 success, 1 a failed check, 2 bad usage. Run `%(prog)s COMMAND --help` for details.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -142,6 +145,53 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument("--force", action="store_true", help="replace OUT if it exists")
     consolidate.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     consolidate.set_defaults(handler=_consolidate)
+
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint's model as Hugging Face safetensors, for inference",
+        description=(
+            "Reads a checkpoint file or a sharded checkpoint directory (ours or upstream Lightning's; a sharded one is"
+            " consolidated on the CPU, model state only) and writes its model state into the directory OUT as"
+            " Hugging Face writes it: model.safetensors, or past --max-shard-size model-00001-of-0000N.safetensors"
+            " shards and model.safetensors.index.json. Tied weights (one tensor under several keys) are written once,"
+            " under their first key, as save_pretrained does; from_pretrained ties them again from the config. Add"
+            " the model's config.json to OUT to load it with transformers' from_pretrained."
+        ),
+        epilog=(
+            "Exit code 1 when the checkpoint cannot be exported (its model state would not load: wrapper prefixes,"
+            " flat shards, NaN, unloadable tensors; the reason is named). Needs the safetensors package:"
+            " pip install 'lightning-strategies[export]'."
+        ),
+    )
+    export.add_argument("checkpoint", type=Path, metavar="CKPT", help="checkpoint file or sharded directory")
+    export.add_argument("out", type=Path, metavar="OUT", help="directory to write the safetensors files into")
+    export.add_argument(
+        "--submodule",
+        metavar="NAME",
+        help="keep only this submodule's keys and strip its prefix (e.g. 'model' for a LightningModule that holds"
+        " the Hugging Face model as self.model)",
+    )
+    export.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16", "fp32", "fp16", "bf16"],
+        help="convert floating-point tensors to this dtype (integer and boolean tensors keep theirs)",
+    )
+    export.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest file, e.g. 5GB (10**9 bytes, as Hugging Face counts), 500MB, 2GiB or bytes (default 5GB)",
+    )
+    export.add_argument(
+        "--module",
+        dest="model_class",
+        metavar="PKG.MOD:CLASS",
+        help="also require the state to fit this model class, and write the parameters it ties once even where the"
+        " checkpoint holds copies (torch.distributed.checkpoint directories store each tied name's copy)",
+    )
+    export.add_argument("--force", action="store_true", help="replace an export already in OUT")
+    export.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    export.set_defaults(handler=_export)
     return parser
 
 
@@ -167,6 +217,27 @@ def _consolidate(args: argparse.Namespace) -> int:
         f" from {result.format}, {result.tensors} model tensors and {result.optimizer_tensors} optimizer-state"
         " tensors. Every strategy resumes it."
     )
+    return EXIT_OK
+
+
+def _export(args: argparse.Namespace) -> int:
+    result = export_checkpoint(
+        args.checkpoint,
+        args.out,
+        submodule=args.submodule,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        force=args.force,
+        show_progress=not args.no_progress,
+        module_spec=args.model_class,
+    )
+    dtype = f", floating point as {str(result.dtype).removeprefix('torch.')}" if result.dtype is not None else ""
+    print(
+        f"Wrote {result.directory}: {', '.join(result.files)} ({result.tensors} tensors,"
+        f" {human_bytes(result.total_size)}{dtype})."
+    )
+    for dropped, kept in result.tied.items():
+        print(f"  - tied: {dropped!r} is {kept!r}, written once under {kept!r}")
     return EXIT_OK
 
 

@@ -40,6 +40,7 @@ from lightning_strategies.checkpoint.sharded import (
     read_dcp_files,
     read_rank_file,
 )
+from lightning_strategies.checkpoint.tensors import tensor_defect
 
 from ._common import UsageError, human_bytes
 from .model_class import load_model_class, module_optimizer_findings
@@ -157,6 +158,7 @@ def model_state_findings(report: Inspection, state: Any, expected: Mapping[str, 
         report.add("error", "invalid-state-dict", f"'state_dict' should be a dict, found {type(state).__name__}.")
         return
     report.model = _tensor_summary(state)
+    _flag_unloadable(report, {str(key): value for key, value in state.items()})
     _flag_non_finite(report, [str(key) for key, value in state.items() if _not_finite(value)])
     if not state:
         report.add(
@@ -292,6 +294,17 @@ def optimizer_findings(report: Inspection, states: Any, model_state: Mapping[str
                 "error", "invalid-optimizer-state", f"{where} lacks 'state' or 'param_groups' (has {sorted(state)})."
             )
             continue
+        _flag_unloadable(
+            report,
+            {
+                f"{where} state[{param}].{key}": value
+                for param, entry in state["state"].items()
+                if isinstance(entry, Mapping)
+                for key, value in entry.items()
+            }
+            if isinstance(state["state"], Mapping)
+            else {},
+        )
         groups = state["param_groups"]
         listed = [param for group in groups for param in group.get("params", [])]
         with_state = list(state["state"])
@@ -509,13 +522,31 @@ def _without_rank(layout: Any) -> Any:
 
 
 def _not_finite(value: Any) -> bool:
+    # A tensor with a defect is flagged as unloadable instead: reading its values could expand a stride-0 view of a
+    # few bytes to terabytes.
     return (
         isinstance(value, Tensor)
         and (value.is_floating_point() or value.is_complex())
-        and value.device.type != "meta"
-        and value.layout == torch.strided
+        and not tensor_defect(value)
         and not bool(torch.isfinite(value).all())
     )
+
+
+def _flag_unloadable(report: Inspection, tensors: Mapping[str, Any]) -> None:
+    """An error naming every tensor whose values cannot be read as a dense tensor (meta, sparse, oversized views)."""
+    defects = {
+        key: reason for key, value in tensors.items() if isinstance(value, Tensor) and (reason := tensor_defect(value))
+    }
+    if defects:
+        named = "; ".join(f"{key!r} {reason}" for key, reason in list(defects.items())[:3])
+        more = f" (and {len(defects) - 3} more)" if len(defects) > 3 else ""
+        report.add(
+            "error",
+            "unloadable-tensor",
+            f"{len(defects)} tensor(s) hold no values a model can load: {named}{more}. Such tensors come from a model"
+            " that was never materialised (meta), a sparse tensor, or a crafted file; convert cannot rebuild their"
+            " values: save the model's dense weights again, or use another checkpoint.",
+        )
 
 
 def _flag_non_finite(report: Inspection, names: Sequence[str]) -> None:
@@ -539,6 +570,7 @@ def _fairscale_shards(report: Inspection, sharded: ShardedCheckpoint) -> dict[st
         layout = shard.get(SHARDED_LAYOUT_KEY)
         if not isinstance(state, Mapping):
             raise CheckpointFormatError(f"{sharded.source}: rank{rank}.pt holds no 'state_dict'.")
+        _flag_unloadable(report, {f"rank{rank}.pt:{key}": value for key, value in state.items()})
         non_finite += [f"rank{rank}.pt:{key}" for key, value in state.items() if _not_finite(value)]
         if rank == 0:
             first_layout = layout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -37,6 +38,11 @@ def test_each_strategy_is_a_strategy_of_the_package_in_use(name: str) -> None:
 @pytest.mark.parametrize("name", ["ddp_sharded_fork", "fsdp_fairscale_fork", "fsdp_fairscale_offload", "fsdp2_fork"])
 def test_each_name_is_registered_with_the_package_in_use(name: str) -> None:
     assert isinstance(pl.strategies.StrategyRegistry.get(name), ours.DirectReferenceStrategy)
+
+
+def test_the_export_callback_is_a_callback_of_the_package_in_use() -> None:
+    callbacks = importlib.import_module(f"{ours.__name__}.callbacks")  # safetensors is imported only when writing
+    assert issubclass(callbacks.SafetensorsExport, pl.Callback)
 
 
 def test_both_bindings_run_one_source_file() -> None:

@@ -126,6 +126,15 @@ class ModelReport:
     failures: list[Failure] = field(default_factory=list)
     seconds: float = 0.0
     fits: int = 0  # Trainer.fit calls, failed ones included
+    workdir: Path | None = None  # where the runs wrote their checkpoints (see saved_checkpoint)
+
+    def saved_checkpoint(self, strategy: str, sharded: bool = False) -> Path:
+        """The checkpoint a strategy saved after the first epoch: ``ddp``'s from its uninterrupted run, the others'
+        from their first-epoch fit, or (``sharded``) from their run with ``state_dict_type="sharded"``."""
+        if self.workdir is None:
+            raise ValueError(f"[{self.model.name}] the report has no run directory")
+        run = "whole" if strategy == REFERENCE else "sharded" if sharded else "first-epoch"
+        return self.workdir / strategy / run / "epoch=0.ckpt"
 
     def fail(self, strategy: str, check: int, message: str, resumed_by: str | None = None) -> None:
         self.failures.append(Failure(self.model.name, strategy, check, message, resumed_by))
@@ -418,7 +427,7 @@ def run_model(
     by_label = {strategy.label: strategy for strategy in chosen}
     reference = chosen[0]
     saver_labels = list(savers) if savers is not None else list(by_label)
-    report = ModelReport(model, list(by_label), saver_labels)
+    report = ModelReport(model, list(by_label), saver_labels, workdir=workdir)
     resume_steps = range(STEPS_PER_EPOCH + 1, STEPS_PER_EPOCH * EPOCHS + 1)
     first_steps = range(1, STEPS_PER_EPOCH + 1)
 

@@ -11,10 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from pytorch_lightning.strategies import DDPStrategy
+from safetensors import safe_open
+from torch.utils.data import default_collate
 
+from lightning_strategies.cli import main
 from tests.zoo.harness import REFERENCE, ModelReport, ZooStrategy, default_strategies, run_model
-from tests.zoo.models import ZOO, ZooModel
+from tests.zoo.models import BATCH_SIZE, ZOO, ZooModel
 
 pytest.importorskip("transformers")
 
@@ -74,6 +78,48 @@ def test_inspect_finds_nothing_and_a_sharded_save_consolidates_to_the_full_check
     _saved(report, strategy)
     failures = report.problems(strategy.label, 4)
     assert not failures, report.explain(failures)
+
+
+def _exported_keys(directory: Path) -> list[str]:
+    with safe_open(str(directory / "model.safetensors"), "pt") as exported:
+        return list(exported.keys())
+
+
+# Exported from ddp's full file and from the sharded directories of fsdp_fairscale (rank files) and fsdp2 (DCP).
+EXPORTS = [(model, saver, saver != REFERENCE) for model in ZOO for saver in (REFERENCE, "fsdp_fairscale", "fsdp2")]
+EXPORT_IDS = [f"{model.id}-{saver}{'-sharded' if sharded else ''}" for model, saver, sharded in EXPORTS]
+
+
+@pytest.mark.parametrize(("model", "saved_by", "sharded"), EXPORTS, ids=EXPORT_IDS)
+def test_the_export_loads_with_from_pretrained_and_gives_the_trained_models_outputs(
+    zoo_report: Report, model: ZooModel, saved_by: str, sharded: bool, tmp_path: Path
+) -> None:
+    report = zoo_report(model)
+    checkpoint = report.saved_checkpoint(saved_by, sharded)
+    if not checkpoint.exists():
+        pytest.fail(f"[{model.name}] {saved_by}: not checked, its save failed (checks 1 and 4 say why)")
+    out = tmp_path / "export"
+    # A DCP directory holds a copy per tied name; the model class says which names are one parameter.
+    module = ["--module", f"{model.module.__module__}:{model.module.__qualname__}"] if saved_by == "fsdp2" else []
+
+    assert main(["export", str(checkpoint), str(out), "--submodule", "model", "--no-progress", *module]) == 0
+
+    trained = model.module()  # the trained model: the same run's full save (check 4: equal to the sharded one)
+    trained.load_state_dict(torch.load(report.saved_checkpoint(saved_by), weights_only=True)["state_dict"])
+    trained.model.save_pretrained(tmp_path / "hf")  # what Hugging Face writes for the same model: the same keys
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as theirs:
+        assert set(_exported_keys(out)) == set(theirs.keys()), f"[{model.name}] other keys than save_pretrained's"
+    trained.model.config.save_pretrained(out)  # the export holds weights; the config comes from the model
+    loaded, info = type(trained.model).from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), f"[{model.name}] from_pretrained of the export of {saved_by}'s save: {info}"
+    for left, right in model.tied:  # written once, tied again from the config
+        assert loaded.get_parameter(left.removeprefix("model.")) is loaded.get_parameter(right.removeprefix("model."))
+    dataset = trained.dataset(BATCH_SIZE, seed=99)
+    batch = default_collate([dataset[index] for index in range(BATCH_SIZE)])
+    with torch.no_grad():
+        expected, got = trained.model.eval()(**batch), loaded.eval()(**batch)
+    assert torch.equal(got.logits, expected.logits), f"[{model.name}] the export's outputs differ"
+    assert torch.equal(got.loss, expected.loss)
 
 
 class DropsTheTiedKey(DDPStrategy):
