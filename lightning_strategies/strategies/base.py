@@ -94,7 +94,15 @@ from .failures import (
 from .launcher import HAND_BACK_OPTIONS, CanonicalStateLauncher, HandBack
 from .precision import install_agreeing_scaler, remove_agreeing_scaler
 from .redirection import ForwardRedirection
-from .stops import CheckpointRefusedError, StopVerdict, agree_on_stop, last_checkpoints, refusal_message, stop_record
+from .stops import (
+    CheckpointRefusedError,
+    RequeueAtStepBoundary,
+    StopVerdict,
+    agree_on_stop,
+    last_checkpoints,
+    refusal_message,
+    stop_record,
+)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -158,6 +166,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         self._stop_verdict: StopVerdict | None = None
         self._stops = 0
         self._inside_steps = 0  # > 0 inside a *_step or an optimizer step; stays > 0 when one raised
+        self._requeue = RequeueAtStepBoundary()
         self._rank_zero_buffers = RankZeroBuffers(enabled=self._broadcast_buffers)
 
     @property
@@ -253,6 +262,9 @@ class DirectReferenceStrategy(ParallelStrategy):
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
         leave_the_process_group_at_exit()
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:  # SLURM's requeue signal saves between steps
+            self._requeue.install(module._trainer, getattr(self.cluster_environment, "auto_requeue", False) is True)
 
     # ------------------------------------------------------------------ failures: every rank goes down, none waits
 
@@ -325,18 +337,23 @@ class DirectReferenceStrategy(ParallelStrategy):
         Raises:
             CheckpointRefusedError: The save cannot be written; nothing was.
         """
+        launcher = self._launcher
+        failed_workers = isinstance(launcher, CanonicalStateLauncher) and launcher.workers_failed
+        if failed_workers and not _distributed_is_initialized():
+            raise CheckpointRefusedError(
+                refusal_message(
+                    "the run failed in its worker processes, and this launching process holds none of their state (it"
+                    " would save the weights it started with)",
+                    [],
+                    where="Resume from the last checkpoint the workers wrote (their ModelCheckpoint's dirpath).",
+                )
+            )
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         if trainer is None or (not trainer.interrupted and not self._failed and self._stop_verdict is None):
             return  # no exception in this run: the common case costs nothing
         reason = ""
-        if isinstance(self._launcher, CanonicalStateLauncher) and not _distributed_is_initialized():
-            if trainer.interrupted:
-                reason = (
-                    "the run failed in its worker processes, and this launching process holds none of their state (it"
-                    " would save the weights it started with)"
-                )
-        elif self._stop_verdict is None and trainer.interrupted and not self._failed:
+        if self._stop_verdict is None and trainer.interrupted and not self._failed:
             exception = sys.exc_info()[1]  # an on_exception hook (OnExceptionCheckpoint) runs inside Lightning's except
             if exception is not None and not self._stopped_together(exception):
                 reason = self._stop_verdict.reason if self._stop_verdict is not None else ""
@@ -518,7 +535,12 @@ class DirectReferenceStrategy(ParallelStrategy):
         raise NotImplementedError(f"{type(self).__name__} shards gradients and must implement clip_grad_by_norm().")
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._requeue.at_step_boundary(self.root_device)
+
+    @override
     def teardown(self) -> None:
+        self._requeue.remove()
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         if isinstance(self._launcher, CanonicalStateLauncher) and trainer is not None:

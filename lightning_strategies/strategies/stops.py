@@ -110,6 +110,9 @@ def agree_on_stop(record: dict[str, Any], episode: int, timeout: float = STOP_AG
         )
     try:
         records = [json.loads(store.get(key)) for key in keys]
+        store.set(f"{prefix}read/{rank}", "1")
+        if rank == 0:  # rank 0 hosts the store: it stays until every rank has read, so that all reach one verdict
+            store.wait([f"{prefix}read/{peer}" for peer in range(world_size)], timedelta(seconds=timeout))
     except Exception as error:
         return StopVerdict(False, f"the other ranks cannot be reached ({type(error).__name__}: {error})")
     if all(other == records[0] for other in records):
@@ -139,13 +142,14 @@ def _missing(store: Any, keys: Sequence[str]) -> list[int]:
     return missing
 
 
-def refusal_message(reason: str, last_checkpoints: Sequence[str]) -> str:
-    """The :class:`CheckpointRefusedError` message: why nothing can be written, and where the last checkpoint is."""
-    if last_checkpoints:
+def refusal_message(reason: str, last_checkpoints: Sequence[str], where: str | None = None) -> str:
+    """The :class:`CheckpointRefusedError` message: why nothing can be written, and where the last checkpoint is
+    (``where`` says it instead of ``last_checkpoints`` when given)."""
+    if where is None and last_checkpoints:
         where = f"The last complete checkpoint of this run is {last_checkpoints[0]!r}: resume from it."
         if len(last_checkpoints) > 1:
             where += f" (Others: {', '.join(repr(path) for path in last_checkpoints[1:])}.)"
-    else:
+    elif where is None:
         where = "This run has no complete checkpoint: it wrote none and resumed from none."
     return (
         f"Cannot save a checkpoint: {reason}. A save needs every rank at the same point (it gathers or writes the"
@@ -167,3 +171,50 @@ def last_checkpoints(trainer: Any) -> list[str]:
         if path and path not in found and os.path.exists(path):
             found.append(path)
     return found
+
+
+class RequeueAtStepBoundary:
+    """Makes SLURM's requeue signal (``SLURMEnvironment(auto_requeue=True)``) save at the next training batch's start.
+
+    Lightning saves the checkpoint inside the signal handler, wherever each rank is then: in a forward, a backward, a
+    gradient reduction. A sharded save's collectives would pair up with those of the step on the other ranks. Here the
+    handler only notes the signal; at the start of each training batch the ranks compare notes (one all-reduce of one
+    number, only while auto-requeue is on), and when any rank got the signal every rank runs Lightning's handler there:
+    the checkpoint is saved between steps, then rank 0 requeues the job.
+    """
+
+    _ATTRIBUTE = "_slurm_sigusr_handler_fn"
+
+    def __init__(self) -> None:
+        self._handler: Any = None
+        self._connector: Any = None
+        self._signal = 0
+
+    def install(self, trainer: Any, enabled: bool) -> None:
+        """Takes the place of Lightning's requeue handler for ``trainer``'s run (before it registers its handlers)."""
+        connector = getattr(trainer, "_signal_connector", None)
+        handler = getattr(connector, self._ATTRIBUTE, None)
+        if not enabled or handler is None or self._ATTRIBUTE in vars(connector):
+            return
+        self._handler, self._connector, self._signal = handler, connector, 0
+        vars(connector)[self._ATTRIBUTE] = self._note
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self._signal = int(signum)
+
+    def at_step_boundary(self, device: torch.device) -> None:
+        """Runs Lightning's requeue handler on every rank when any rank got the signal (a collective, if installed)."""
+        if self._handler is None or not _distributed_is_initialized():
+            return
+        received = torch.tensor([self._signal], device=device)
+        torch.distributed.all_reduce(received, op=torch.distributed.ReduceOp.MAX)
+        signum = int(received.item())
+        if signum:
+            self._signal = 0
+            self._handler(signum, None)
+
+    def remove(self) -> None:
+        """Gives Lightning's handler back (the run ended)."""
+        if self._connector is not None:
+            vars(self._connector).pop(self._ATTRIBUTE, None)
+        self._handler, self._connector, self._signal = None, None, 0
