@@ -20,8 +20,7 @@ import torch
 from lightning_fabric.plugins.environments import SLURMEnvironment
 from pytorch_lightning.callbacks import Checkpoint, ModelCheckpoint, OnExceptionCheckpoint
 
-from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy, ShardedDDPStrategy
-from lightning_strategies.strategies.stops import CheckpointRefusedError
+from lightning_strategies import CheckpointRefusedError, FairScaleFSDPStrategy, FSDP2Strategy, ShardedDDPStrategy
 from lightning_strategies.testing import ConformanceModel, SaveAfterRestore
 from tests.conftest import trainer_kwargs
 from tests.helpers import assert_same_checkpoint_state, canonical_checkpoint
