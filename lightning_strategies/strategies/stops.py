@@ -14,6 +14,7 @@ why and names the last complete checkpoint of the run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Sequence
@@ -98,10 +99,12 @@ def agree_on_stop(record: dict[str, Any], episode: int, timeout: float = STOP_AG
         store.set(keys[rank], json.dumps(record))
     except Exception as error:  # the store's host (rank 0) is gone
         return StopVerdict(False, f"the other ranks cannot be reached ({type(error).__name__}: {error})")
+    done = [f"{prefix}done/{peer}" for peer in range(world_size)]
     try:
         store.wait(keys, timedelta(seconds=timeout))
     except Exception:  # a timeout: some ranks did not stop
         missing = _missing(store, keys)
+        _set_quietly(store, done[rank])  # decided: rank 0 need not wait for this rank to read
         return StopVerdict(
             False,
             f"rank {rank} stopped ({_describe(rank, record)}), but rank(s) {missing} did not stop within {timeout:g} s:"
@@ -110,9 +113,9 @@ def agree_on_stop(record: dict[str, Any], episode: int, timeout: float = STOP_AG
         )
     try:
         records = [json.loads(store.get(key)) for key in keys]
-        store.set(f"{prefix}read/{rank}", "1")
-        if rank == 0:  # rank 0 hosts the store: it stays until every rank has read, so that all reach one verdict
-            store.wait([f"{prefix}read/{peer}" for peer in range(world_size)], timedelta(seconds=timeout))
+        store.set(done[rank], "1")
+        if rank == 0:  # rank 0 hosts the store: it stays until every rank decided, so that all reach one verdict
+            store.wait(done, timedelta(seconds=timeout))
     except Exception as error:
         return StopVerdict(False, f"the other ranks cannot be reached ({type(error).__name__}: {error})")
     if all(other == records[0] for other in records):
@@ -129,6 +132,11 @@ def agree_on_stop(record: dict[str, Any], episode: int, timeout: float = STOP_AG
         "the ranks stopped at different points: "
         + "; ".join(_describe(peer, other) for peer, other in enumerate(records)),
     )
+
+
+def _set_quietly(store: Any, key: str) -> None:
+    with contextlib.suppress(Exception):  # the store's host is gone: nobody waits for the key
+        store.set(key, "1")
 
 
 def _missing(store: Any, keys: Sequence[str]) -> list[int]:
