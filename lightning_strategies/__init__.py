@@ -21,6 +21,7 @@ _OTHER = PYTORCH_LIGHTNING if _FLAVOUR is LIGHTNING else LIGHTNING
 
 __all__ = [
     "CheckpointMetadata",
+    "CheckpointRefusedError",
     "DirectReferenceStrategy",
     "FSDP2Strategy",
     "FairScaleFSDPStrategy",
@@ -42,6 +43,7 @@ if find_spec(_FLAVOUR.pytorch.split(".")[0]) is not None and find_spec(_FLAVOUR.
         ShardedDDPStrategy,
     )
     from .strategies.agreement import RanksDisagreeError
+    from .strategies.stops import CheckpointRefusedError
 
     for _strategy in (ShardedDDPStrategy, FairScaleFSDPStrategy, FSDP2Strategy):
         _strategy.register_strategies(StrategyRegistry)

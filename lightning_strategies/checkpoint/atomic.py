@@ -3,6 +3,8 @@
 The checkpoint is written to a temporary file in the same directory (same filesystem), flushed and fsynced, then
 renamed over the target (``os.replace`` is atomic on POSIX), and the directory entry is fsynced too. Sharded
 checkpoint directories are written into a sibling directory and swapped in the same way (:func:`replace_directory`).
+Either kind replaces the other at one path (a full save over a sharded directory, a sharded save over a full file)
+by the same swap: the path holds the previous complete checkpoint until the new one is complete.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +64,7 @@ def fsync_directory(directory: Path) -> None:
         os.close(handle)
 
 
-def atomic_torch_save(checkpoint: Any, path: str | Path) -> None:
+def atomic_torch_save(checkpoint: Any, path: str | Path, *, over_directory: bool = False) -> None:
     """``torch.save`` that replaces ``path`` only with a complete, durable file.
 
     The temporary file's name is unique per save (``mkstemp``), so concurrent saves to one path never write into
@@ -70,11 +73,20 @@ def atomic_torch_save(checkpoint: Any, path: str | Path) -> None:
     Args:
         checkpoint: What to save.
         path: The target file; its directory is created if needed.
+        over_directory: Replace a directory at ``path`` (a sharded checkpoint the caller checked) by the file: swapped
+            in like a sharded save (:func:`replace_directory`), so ``path`` holds the complete directory until the
+            complete file takes its place.
 
     Raises:
         DiskFullError: The filesystem ran out of space; ``path`` is unchanged.
+        IsADirectoryError: ``path`` is a directory and ``over_directory`` is not set; nothing was written.
     """
     target = Path(path)
+    is_directory = target.is_dir() and not target.is_symlink()
+    if is_directory and not over_directory:
+        raise IsADirectoryError(
+            errno.EISDIR, f"Cannot save checkpoint {str(target)!r}: a directory is there; nothing was changed."
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(target)
     handle, name = tempfile.mkstemp(prefix=_partial_prefix(target), dir=target.parent)
@@ -84,11 +96,15 @@ def atomic_torch_save(checkpoint: Any, path: str | Path) -> None:
             torch.save(checkpoint, file)
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temporary, target)
+        if not is_directory:
+            os.replace(temporary, target)
     except BaseException as error:
         temporary.unlink(missing_ok=True)
         raise_if_disk_full(error, target)
         raise
+    if is_directory:  # os.replace cannot put a file over a directory: swap them (then the directory is removed)
+        replace_directory(temporary, target, f"{os.getpid()}-{time.monotonic_ns()}")
+        return
     fsync_directory(target.parent)  # make the rename itself durable
 
 
@@ -166,7 +182,8 @@ def _remove(path: Path) -> None:
 
 
 def replace_directory(staging: Path, target: Path, save_id: str) -> None:
-    """Puts the complete directory ``staging`` at ``target``; a directory already there is removed afterwards.
+    """Puts the complete directory (or file) ``staging`` at ``target``; what was there (a directory or a file, a
+    sharded or a full checkpoint) is removed afterwards.
 
     With an atomic exchange (Linux) ``target`` is at every moment the previous or the new complete directory. Where
     the filesystem cannot exchange, two renames leave a short window without ``target``; the previous directory then

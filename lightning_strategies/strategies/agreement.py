@@ -35,6 +35,9 @@ RUN_STATE_ATTRIBUTES = frozenset(
         "_failed",
         "_sharded_source",  # each rank names its own rank file
         "_sharded_checkpoint",
+        "_stop_verdict",
+        "_inside_steps",
+        "_stops",
     }
 )
 

@@ -3,24 +3,42 @@
 
 from __future__ import annotations
 
+import errno
+from pathlib import Path
 from typing import Any
 
 from typing_extensions import override
 
 from lightning_strategies.checkpoint.atomic import atomic_torch_save
+from lightning_strategies.checkpoint.sharded import is_sharded_checkpoint
 
 from .._lightning import _PATH, AsyncCheckpointIO, CheckpointIO, TorchCheckpointIO, _WrappingCheckpointIO
 
 
 class AtomicTorchCheckpointIO(TorchCheckpointIO):
-    """Lightning's ``TorchCheckpointIO`` with atomic local saves (remote paths keep fsspec's behaviour)."""
+    """Lightning's ``TorchCheckpointIO`` with atomic local saves (remote paths keep fsspec's behaviour).
+
+    A local save replaces a sharded checkpoint directory at its path (atomically, as a sharded save replaces a full
+    file) and refuses any other directory there (``IsADirectoryError``).
+    """
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         if "://" in str(path) or storage_options is not None:
             super().save_checkpoint(checkpoint, path, storage_options)
             return
-        atomic_torch_save(checkpoint, path)
+        target = Path(path)
+        # A sharded checkpoint at the path (say `last.ckpt` of a run that saved sharded, resumed with full saves) is
+        # replaced as upstream's FSDP strategies replace it, but atomically; any other directory is left alone.
+        over_directory = target.is_dir() and not target.is_symlink()
+        if over_directory and not is_sharded_checkpoint(target):
+            raise IsADirectoryError(
+                errno.EISDIR,
+                f"Cannot save the full checkpoint {str(target)!r}: a directory is there that is not a sharded"
+                " checkpoint (it has no meta.pt), so it is not replaced; nothing was changed. Save to another path"
+                " or remove the directory.",
+            )
+        atomic_torch_save(checkpoint, target, over_directory=over_directory)
 
     @override
     def load_checkpoint(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -95,6 +96,15 @@ from .failures import (
 from .launcher import HAND_BACK_OPTIONS, CanonicalStateLauncher, HandBack
 from .precision import install_agreeing_scaler, remove_agreeing_scaler
 from .redirection import ForwardRedirection
+from .stops import (
+    CheckpointRefusedError,
+    RequeueAtStepBoundary,
+    StopVerdict,
+    agree_on_stop,
+    last_checkpoints,
+    refusal_message,
+    stop_record,
+)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -155,6 +165,10 @@ class DirectReferenceStrategy(ParallelStrategy):
         self._checkpoint_source = "the checkpoint"
         self._failure_timeout: float | None = None
         self._failed = False
+        self._stop_verdict: StopVerdict | None = None
+        self._stops = 0
+        self._inside_steps = 0  # > 0 inside a *_step or an optimizer step; stays > 0 when one raised
+        self._requeue = RequeueAtStepBoundary()
         self._rank_zero_buffers = RankZeroBuffers(enabled=self._broadcast_buffers)
 
     @property
@@ -240,6 +254,8 @@ class DirectReferenceStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._failed = False
+        self._stop_verdict = None
+        self._inside_steps = 0
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -252,6 +268,9 @@ class DirectReferenceStrategy(ParallelStrategy):
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
         leave_the_process_group_at_exit()
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:  # SLURM's requeue signal saves between steps
+            self._requeue.install(module._trainer, getattr(self.cluster_environment, "auto_requeue", False) is True)
 
     # ------------------------------------------------------------------ failures: every rank goes down, none waits
 
@@ -288,11 +307,70 @@ class DirectReferenceStrategy(ParallelStrategy):
         get ``failure_timeout`` seconds to end on their own and are killed after that.
         """
         super().on_exception(exception)
+        if self._stopped_together(exception):
+            return  # every rank stopped here: the group stays, and saves and teardown work as after a fit
+        self._leave_after_failure()
+
+    def _leave_after_failure(self) -> None:
+        if self._failed:
+            return
         self._failed = True
         leave_the_process_group_now()
         launcher = self._launcher
         children = list(launcher.procs) if isinstance(launcher, _SubprocessScriptLauncher) else []
         stop_started_ranks(children, self.failure_timeout, owner=type(self).__name__)
+
+    def _stopped_together(self, exception: BaseException) -> bool:
+        """Whether every rank stopped with ``exception`` at the same point (see :mod:`.stops`); decided once per run."""
+        if self._stop_verdict is None:
+            module = self.lightning_module
+            trainer = module._trainer if module is not None else None
+            step = trainer.global_step if trainer is not None else -1
+            record = stop_record(exception, step, between_steps=self._inside_steps == 0)
+            self._stop_verdict = agree_on_stop(record, self._stops)
+            self._stops += 1
+        return self._stop_verdict.together
+
+    def require_save_possible(self) -> None:
+        """Refuses a save that cannot be written whole, before any collective (every save starts here).
+
+        After an exception a save goes ahead only when every rank stopped at the same point; otherwise, or when this
+        process left the process group, or when it is the launching process of a fork/spawn run whose workers failed
+        (it holds none of their state), :class:`~lightning_strategies.strategies.stops.CheckpointRefusedError` says
+        why and where the last complete checkpoint is. A refusing rank leaves the process group at once, so that the
+        ranks waiting for it in a collective go down instead of hanging.
+
+        Raises:
+            CheckpointRefusedError: The save cannot be written; nothing was.
+        """
+        launcher = self._launcher
+        failed_workers = isinstance(launcher, CanonicalStateLauncher) and launcher.workers_failed
+        if failed_workers and not _distributed_is_initialized():
+            raise CheckpointRefusedError(
+                refusal_message(
+                    "the run failed in its worker processes, and this launching process holds none of their state (it"
+                    " would save the weights it started with)",
+                    [],
+                    where="Resume from the last checkpoint the workers wrote (their ModelCheckpoint's dirpath).",
+                )
+            )
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or (not trainer.interrupted and not self._failed and self._stop_verdict is None):
+            return  # no exception in this run: the common case costs nothing
+        reason = ""
+        if self._stop_verdict is None and trainer.interrupted and not self._failed:
+            exception = sys.exc_info()[1]  # an on_exception hook (OnExceptionCheckpoint) runs inside Lightning's except
+            if exception is not None and not self._stopped_together(exception):
+                reason = self._stop_verdict.reason if self._stop_verdict is not None else ""
+        elif self._stop_verdict is not None and not self._stop_verdict.together:
+            reason = self._stop_verdict.reason
+        elif self._failed:
+            reason = "this process left the run's process group when the run failed"
+        if not reason:
+            return
+        self._leave_after_failure()
+        raise CheckpointRefusedError(refusal_message(reason, last_checkpoints(trainer)))
 
     # ------------------------------------------------------------------ ranks must agree
 
@@ -463,7 +541,12 @@ class DirectReferenceStrategy(ParallelStrategy):
         raise NotImplementedError(f"{type(self).__name__} shards gradients and must implement clip_grad_by_norm().")
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._requeue.at_step_boundary(self.root_device)
+
+    @override
     def teardown(self) -> None:
+        self._requeue.remove()
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         if isinstance(self._launcher, CanonicalStateLauncher) and trainer is not None:
@@ -499,10 +582,21 @@ class DirectReferenceStrategy(ParallelStrategy):
     def _step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         module = self.require_lightning_module()
         training = method_name == "training_step"
+        self._inside_steps += 1  # not undone when the step raises: a stop there is a stop mid-step
         self._rank_zero_buffers.before_step(module, training)
         output = self._run_step(method_name, *args, **kwargs)
         self._rank_zero_buffers.after_step(module, training)
+        self._inside_steps -= 1
         return output
+
+    @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any | None = None, **kwargs: Any
+    ) -> Any:
+        self._inside_steps += 1  # backward and the update run in here: a stop inside leaves state mid-update
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._inside_steps -= 1
+        return result
 
     def _run_step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         """Hook: runs one ``*_step`` of the LightningModule. Default: through the wrapper, by forward redirection."""
@@ -541,6 +635,7 @@ class DirectReferenceStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model state a checkpoint holds: by default :meth:`full_model_state`."""
+        self.require_save_possible()  # the first thing a save asks for: before any of its collectives
         return self.full_model_state()
 
     def full_model_state(self) -> dict[str, Any]:

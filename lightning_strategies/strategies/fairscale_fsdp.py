@@ -509,6 +509,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.require_save_possible()  # before any collective of the save
         if self._state_dict_type == "sharded":  # every rank keeps its own shard: no gather
             return dict(self._root().local_state_dict())
         return super().lightning_module_state_dict()

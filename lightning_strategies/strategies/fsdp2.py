@@ -410,6 +410,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.require_save_possible()  # before any collective of the save
         if self._state_dict_type == "sharded":  # DTensor shards, written by torch.distributed.checkpoint
             return dict(get_model_state_dict(self.require_lightning_module()))
         return super().lightning_module_state_dict()

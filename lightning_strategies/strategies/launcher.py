@@ -83,6 +83,8 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
         self._source = source
         self._hand_back = hand_back
         self._errors_dir: str | None = None
+        #: Whether the workers of the last launch failed (read in the main process).
+        self.workers_failed = False
         # In a worker, from the strategy's teardown until the results are sent: canonical weights and the rest of the
         # end-of-fit checkpoint (rank 0 only). In the main process after a fit: the rest of that checkpoint.
         self._end_of_fit_weights: dict[str, Any] = {}
@@ -98,9 +100,11 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self._end_of_fit_state = None  # a new fit: the last one's state is stale (and freed before workers start)
         self._errors_dir = tempfile.mkdtemp(prefix="lightning_strategies_errors_")
+        self.workers_failed = False
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except (ProcessRaisedException, ProcessExitedException) as error:
+            self.workers_failed = True  # this process holds none of their state: saves here are refused
             first = _first_failure(Path(self._errors_dir))
             if first is None or first[0] == error.error_index:
                 raise
