@@ -282,7 +282,9 @@ class Network(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.stem = nn.Linear(FEATURES, HIDDEN)
+        # No bias before a BatchNorm (as models write it): the norm cancels it, its gradient is rounding noise that
+        # Adam scales up, and runs that differ only in the order of a sum would end far apart on it.
+        self.stem = nn.Linear(FEATURES, HIDDEN, bias=not spec.batchnorm)
         if spec.frozen:
             self.stem.requires_grad_(False)
         self.norm = nn.BatchNorm1d(HIDDEN) if spec.batchnorm else None
