@@ -359,7 +359,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         self.require_agreement(
             self.options_fingerprint(), "the strategy's options", "configure the strategy the same way"
         )
-        agree_on_resume_path(trainer, self.require_agreement)
+        agree_on_resume_path(trainer, self.require_agreement, then=self.before_restore)
         self.accelerator.setup(trainer)
         module = self.require_lightning_module()
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -376,6 +376,13 @@ class DirectReferenceStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def before_restore(self, checkpoint_path: str | None) -> None:
+        """Hook: runs on every rank after setup, before the Trainer restores ``checkpoint_path`` (``None``: nothing).
+
+        Args:
+            checkpoint_path: The checkpoint every rank agreed to restore, or ``None``.
+        """
 
     def configure_for_fit(self, trainer: pl.Trainer) -> None:
         """Wraps ``self.lightning_module`` into ``self.model`` and creates ``self.optimizers``.

@@ -56,7 +56,12 @@ from .._torch_private import composable_activation_checkpoint
 from .base import DirectReferenceStrategy, StartMethod
 from .full_gradients import full_dtensor_gradients
 from .launcher import HandBack
-from .meta_init import has_meta_tensors, materialise_meta_tensors, refuse_uninitialised_meta_tensors
+from .meta_init import (
+    has_meta_tensors,
+    materialise_meta_tensors,
+    refuse_uninitialised,
+    uninitialised_meta_tensors,
+)
 from .optimizers import OptimizerNeed, refuse_unsupported_optimizers, step_on_local_shards, steps_on_local_shards
 from .redirection import SubmoduleCallRouting
 
@@ -230,6 +235,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         self._broadcast_buffers = broadcast_buffers
         self._device_mesh: DeviceMesh | None = None
         self._model_parallel_mesh: DeviceMesh | None = None
+        self._left_for_the_restore: dict[str, str] = {}
         self._sharded_checkpoint: _DcpRestore | None = None
         self._routing: SubmoduleCallRouting | None = None
 
@@ -366,12 +372,22 @@ class FSDP2Strategy(DirectReferenceStrategy):
     def _shard_and_materialise(self, trainer: pl.Trainer) -> pl.LightningModule:
         """Shards the LightningModule, then gives its meta tensors (``empty_init=True``) memory: each rank's shards."""
         module = self.require_lightning_module()
-        restored = trainer.ckpt_path is not None and module.strict_loading
-        refuse_uninitialised_meta_tensors(module, self.strategy_name, restored)  # every rank alike, before sharding
+        # Every rank alike, before sharding: what no restore could fill (non-persistent buffers) is refused now, the
+        # rest once the Trainer says whether it restores a checkpoint (before_restore).
+        refuse_uninitialised(uninitialised_meta_tensors(module, restored=True), self.strategy_name)
+        self._left_for_the_restore = uninitialised_meta_tensors(module, restored=False)
         self._shard(module)
         device = torch.device("cpu") if self._cpu_offload else self.root_device
         materialise_meta_tensors(module, device, self.device_mesh)
         return module
+
+    @override
+    def before_restore(self, checkpoint_path: str | None) -> None:
+        left, self._left_for_the_restore = self._left_for_the_restore, {}
+        # Materialised tensors whose modules have no reset_parameters() hold uninitialised memory until a strict
+        # restore fills them: refused, on every rank alike, before anything reads them.
+        if left and (checkpoint_path is None or not self.require_lightning_module().strict_loading):
+            refuse_uninitialised(left, self.strategy_name)
 
     @override
     def configure_for_fit(self, trainer: pl.Trainer) -> None:
@@ -428,7 +444,20 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     @override
     def teardown(self) -> None:
-        super().teardown()
+        # Lightning's teardown moves the module to the CPU. A meta module (in the launching process, when a run failed
+        # before handing weights back) cannot move, and that error would hide the run's own: it stays. A sharded one
+        # moves by swapping each DTensor parameter, which torch refuses inside `torch.inference_mode()` (a
+        # `trainer.test` called there): the move runs outside it.
+        module = self.lightning_module
+        if module is not None and has_meta_tensors(module):
+            vars(module)["cpu"] = lambda: module
+            try:
+                super().teardown()
+            finally:
+                del vars(module)["cpu"]
+        else:
+            with torch.inference_mode(False):
+                super().teardown()
         self._device_mesh = None
         self._model_parallel_mesh = None
         self._routing = None

@@ -8,7 +8,7 @@ holding uninitialised memory; that is refused at fit start unless a checkpoint r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from itertools import chain
 
@@ -64,22 +64,18 @@ def uninitialised_meta_tensors(module: Module, restored: bool) -> dict[str, str]
     return left
 
 
-def refuse_uninitialised_meta_tensors(module: Module, strategy_name: str, restored: bool) -> None:
-    """Raises if materialising ``module`` would leave meta tensors holding uninitialised memory.
+def refuse_uninitialised(left: Mapping[str, str], strategy_name: str) -> None:
+    """Raises if materialising left meta tensors holding uninitialised memory (:func:`uninitialised_meta_tensors`).
 
-    Every rank computes the same answer from its own module and the agreed resume path, so all ranks raise together,
-    before any collective of the setup that follows.
+    Every rank computes the same answer from its own module and the agreed resume path, so all ranks raise together.
 
     Args:
-        module: The model (the LightningModule).
+        left: Qualified tensor name -> class name of the module that owns it.
         strategy_name: Named in the error.
-        restored: A checkpoint will be loaded into the model strictly right after setup.
 
     Raises:
-        RuntimeError: Some meta tensor would be left uninitialised; the message names each tensor, its module class
-            and the fixes.
+        RuntimeError: ``left`` is not empty; the message names each tensor, its module class and the fixes.
     """
-    left = uninitialised_meta_tensors(module, restored)
     if not left:
         return
     tensors = ", ".join(f"{name!r} ({owner})" for name, owner in left.items())
