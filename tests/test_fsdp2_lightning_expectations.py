@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Callable
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_strategies import FSDP2Strategy
@@ -54,7 +55,7 @@ class BuiltOnMetaInConfigureModel(Resettable):
     """Builds its layers again on the meta device in ``configure_model`` (the hand-written way to a large model)."""
 
     def configure_model(self) -> None:
-        if self._trainer is None or not isinstance(self._trainer.strategy, FSDP2Strategy):
+        if self._trainer is None:  # load_from_checkpoint builds a plain module
             return
         with torch.device("meta"):
             self.encoder = nn.Linear(FEATURES, HIDDEN)
@@ -186,6 +187,15 @@ def test_a_non_persistent_buffer_without_reset_parameters_is_refused_even_when_r
     assert "'scale.weight'" not in str(refusal.value)  # the checkpoint fills the parameter
 
 
+@pytest.mark.parametrize("strategy", ["ddp_sharded_fork", "fsdp_fairscale_fork"])
+@pytest.mark.parametrize("how", ["meta_device", "configure_model"])
+def test_the_fairscale_strategies_refuse_a_meta_model_at_fit_start_naming_the_fix(strategy: str, how: str) -> None:
+    model = built(how)
+    name = strategy.removesuffix("_fork")
+    with pytest.raises(Exception, match=rf"{name}: the model has tensors on the meta device.*strategy='fsdp2'"):
+        fit(strategy, model, max_steps=1)
+
+
 # ------------------------------------------------------------------------------- no rank materialises the whole model
 
 
@@ -247,12 +257,14 @@ def test_no_rank_materialises_the_whole_model_during_setup(tmp_path: Path) -> No
 # ------------------------------------------------------- test and predict after fit, in the process, in inference mode
 
 
-def _fit_then_test_and_predict_in_inference_mode(strategy: str) -> dict[str, Any]:
+def _fit_then_test_and_predict_in_inference_mode(
+    strategy: Callable[[], Any], model_class: type[ConformanceModel] = ConformanceModel
+) -> dict[str, Any]:
     """Runs on every rank (processes started from outside, as torchrun starts them): one process fits, tests and
     predicts with the same Trainer and module, the last two inside ``torch.inference_mode()`` as upstream's tests do."""
     pl.seed_everything(7, verbose=False)
-    model = ConformanceModel()
-    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1))
+    model = model_class()
+    trainer = pl.Trainer(strategy=strategy(), **trainer_kwargs(max_epochs=1))
     trainer.fit(model)
     with torch.inference_mode():
         tested = trainer.test(model, verbose=False)
@@ -263,12 +275,12 @@ def _fit_then_test_and_predict_in_inference_mode(strategy: str) -> dict[str, Any
 
 @functools.cache
 def _ddp_in_inference_mode() -> list[dict[str, Any]]:
-    return run_as_ranks(lambda: _fit_then_test_and_predict_in_inference_mode("ddp"))
+    return run_as_ranks(lambda: _fit_then_test_and_predict_in_inference_mode(lambda: "ddp"))
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp_sharded", "fsdp_fairscale"])
 def test_test_and_predict_after_fit_in_the_same_process_in_inference_mode_give_ddp_s_results(strategy: str) -> None:
-    ranks = run_as_ranks(lambda: _fit_then_test_and_predict_in_inference_mode(strategy))
+    ranks = run_as_ranks(lambda: _fit_then_test_and_predict_in_inference_mode(lambda: strategy))
 
     for rank, expected in zip(ranks, _ddp_in_inference_mode(), strict=True):
         assert rank["test_loss"] == pytest.approx(expected["test_loss"], abs=1e-5)
@@ -336,3 +348,26 @@ def test_code_written_for_model_parallel_strategy_trains_under_fsdp2_as_under_it
 
     assert len(ours) == len(upstream) > 0
     assert torch.allclose(torch.tensor(ours), torch.tensor(upstream), rtol=1e-5, atol=0)
+
+
+class ShardedOnceThroughItsDeviceMesh(ShardedThroughItsDeviceMesh):
+    """Shards in its first ``configure_model`` only (the Trainer calls the hook again for ``test`` and ``predict``)."""
+
+    def configure_model(self) -> None:
+        if not isinstance(self, FSDPModule):
+            super().configure_model()
+
+
+def test_model_parallel_strategy_fails_where_fsdp2_tests_and_predicts_after_fit_in_inference_mode() -> None:
+    def model_parallel() -> ModelParallelStrategy:
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+
+    ours = run_as_ranks(
+        lambda: _fit_then_test_and_predict_in_inference_mode(lambda: "fsdp2", ShardedOnceThroughItsDeviceMesh)
+    )
+    assert len(ours) == 2
+    # A torch limit upstream does not work around (the user guide says so): setup moves the sharded module again.
+    with pytest.raises(RuntimeError, match=r"_apply\(\): Couldn't swap FSDPLinear\.weight"):
+        run_as_ranks(
+            lambda: _fit_then_test_and_predict_in_inference_mode(model_parallel, ShardedOnceThroughItsDeviceMesh)
+        )

@@ -91,6 +91,7 @@ from .failures import (
     stop_started_ranks,
 )
 from .launcher import HAND_BACK_OPTIONS, CanonicalStateLauncher, HandBack
+from .meta_init import has_meta_tensors, refuse_meta_tensors
 from .precision import install_agreeing_scaler, remove_agreeing_scaler
 from .redirection import ForwardRedirection
 
@@ -122,6 +123,8 @@ class DirectReferenceStrategy(ParallelStrategy):
     #: Whether steps broadcast rank 0's changing buffers first (see :class:`RankZeroBuffers`); set by subclasses
     #: whose wrapper does not.
     _broadcast_buffers: bool = False
+    #: Whether setup gives meta-device tensors memory (after sharding); strategies that cannot refuse them.
+    _materialises_meta_tensors: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -354,6 +357,8 @@ class DirectReferenceStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         if self.accelerator is None:
             raise RuntimeError(f"{type(self).__name__} has no accelerator; pass it to a Trainer before use.")
+        if not self._materialises_meta_tensors:  # every rank alike, before any collective
+            refuse_meta_tensors(self.require_lightning_module(), self.strategy_name)
         # Before wrapping: different options (say, another state_dict_type) would make the ranks wrap and shard
         # differently, and their collectives would never meet.
         self.require_agreement(
@@ -477,7 +482,17 @@ class DirectReferenceStrategy(ParallelStrategy):
             vars(self._precision_plugin).pop("_after_closure", None)
         if module is not None:
             self.model = module  # drop the wrapper; the direct reference is all that is left
-        super().teardown()
+        if module is None or not has_meta_tensors(module):
+            super().teardown()
+            return
+        # Lightning's teardown moves the module to the CPU. A meta module (refused in setup, or in the launching
+        # process of a run that failed before handing weights back) cannot move, and that error would hide the run's
+        # own: it stays where it is.
+        vars(module)["cpu"] = lambda: module
+        try:
+            super().teardown()
+        finally:
+            del vars(module)["cpu"]
 
     @contextmanager
     @override

@@ -185,6 +185,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
     """
 
     strategy_name = "fsdp2"
+    _materialises_meta_tensors = True
 
     def __init__(
         self,
@@ -444,20 +445,10 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     @override
     def teardown(self) -> None:
-        # Lightning's teardown moves the module to the CPU. A meta module (in the launching process, when a run failed
-        # before handing weights back) cannot move, and that error would hide the run's own: it stays. A sharded one
-        # moves by swapping each DTensor parameter, which torch refuses inside `torch.inference_mode()` (a
-        # `trainer.test` called there): the move runs outside it.
-        module = self.lightning_module
-        if module is not None and has_meta_tensors(module):
-            vars(module)["cpu"] = lambda: module
-            try:
-                super().teardown()
-            finally:
-                del vars(module)["cpu"]
-        else:
-            with torch.inference_mode(False):
-                super().teardown()
+        # Lightning's teardown moves the module to the CPU, for a sharded one by swapping each DTensor parameter,
+        # which torch refuses inside `torch.inference_mode()` (a `trainer.test` called there): it runs outside it.
+        with torch.inference_mode(False):
+            super().teardown()
         self._device_mesh = None
         self._model_parallel_mesh = None
         self._routing = None

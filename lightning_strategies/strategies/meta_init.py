@@ -91,6 +91,29 @@ def refuse_uninitialised(left: Mapping[str, str], strategy_name: str) -> None:
     )
 
 
+def refuse_meta_tensors(module: Module, strategy_name: str) -> None:
+    """Raises if ``module`` has tensors on the meta device, for strategies whose wrapper cannot shard them.
+
+    Args:
+        module: The model (the LightningModule).
+        strategy_name: Named in the error.
+
+    Raises:
+        RuntimeError: Some tensor is on the meta device; the message names them and the fixes.
+    """
+    names = [name for name, tensor in chain(module.named_parameters(), module.named_buffers()) if tensor.is_meta]
+    if not names:
+        return
+    shown = ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    raise RuntimeError(
+        f"{strategy_name}: the model has tensors on the meta device, which {strategy_name} cannot shard or"
+        f" initialise: {shown}. Create the model on a real device (trainer.init_module() without empty_init=True,"
+        " no torch.device('meta') in your code or in configure_model), load real tensors into it first"
+        " (load_state_dict(..., assign=True)), or train it with strategy='fsdp2', which shards meta tensors and then"
+        " initialises each rank's shards with reset_parameters()."
+    )
+
+
 @contextmanager
 def _shard_rng(mesh: DeviceMesh | None) -> Generator[None, None, None]:
     """Random initialisation of DTensor shards on a CPU mesh, each shard from its own stream.
