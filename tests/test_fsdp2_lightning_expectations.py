@@ -163,6 +163,31 @@ def test_a_meta_model_resumed_from_a_checkpoint_trains_like_ddp(tmp_path: Path, 
     assert_same_weights(expected, model, atol=1e-5)
 
 
+class Tied(Resettable):
+    """An embedding whose weight is the head's (tied input and output embeddings, as in GPT-2)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.embedding = nn.Embedding(OUTPUTS, HIDDEN)
+        self.embedding.weight = self.head.weight
+
+
+def test_tied_weights_stay_one_parameter_on_every_rank_and_in_this_process(tmp_path: Path) -> None:
+    def tied(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
+        return module.embedding.weight is module.head.weight
+
+    checkpoint = train_and_save(ddp(), tmp_path / "saved", cls=Tied)
+    expected = new_model(cls=Tied, seed=11)
+    fit(ddp(), expected, ckpt_path=checkpoint)
+    recorder = RankRecorder(tmp_path, "on_train_start", tied)
+    model = built("init_module", Tied)
+    fit(fsdp2(), model, ckpt_path=checkpoint, callbacks=[recorder])
+
+    assert recorder.read() == [True, True]
+    assert model.embedding.weight is model.head.weight  # materialised here for the weights handed back
+    assert_same_weights(expected, model, atol=1e-5)
+
+
 def test_a_module_without_reset_parameters_is_refused_at_fit_start_naming_the_fix() -> None:
     with pytest.raises(Exception, match=r"'scale\.weight' \(NoReset\).*Define reset_parameters\(\) on NoReset"):
         fit(fsdp2(), built("init_module", WithNoReset), max_steps=1)

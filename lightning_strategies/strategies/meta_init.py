@@ -14,8 +14,9 @@ from itertools import chain
 
 import torch
 import torch.distributed
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
@@ -128,7 +129,7 @@ def _shard_rng(mesh: DeviceMesh | None) -> Generator[None, None, None]:
         return
     coordinate = mesh.get_local_rank() if mesh.ndim == 1 else mesh.get_rank()
     with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(torch.initial_seed() + coordinate)
+        torch.default_generator.manual_seed((torch.initial_seed() + coordinate) % 2**64)
         yield None
 
 
@@ -157,11 +158,18 @@ def materialise_meta_tensors(module: Module, device: torch.device, mesh: DeviceM
     def allocate(tensor: Tensor) -> Tensor:
         return torch.empty_like(tensor, device=device) if tensor.is_meta else tensor
 
+    sharded = any(isinstance(submodule, FSDPModule) for submodule in module.modules())
+
     # Outside inference mode (a `trainer.test` called inside `torch.inference_mode()`): there _apply cannot swap
     # DTensor parameters, and tensors created would be inference tensors that training cannot update.
     with torch.inference_mode(False):
-        apply: Callable[[Callable[[Tensor], Tensor]], Module] = module._apply
-        apply(allocate)  # through the root, so that fully_shard's own _apply takes up the new shards
+        if sharded:
+            # Through the root, so that fully_shard's own _apply takes up the new shards. DTensor parameters are
+            # swapped in place, so a parameter shared by two modules (tied weights) stays one parameter.
+            apply: Callable[[Callable[[Tensor], Tensor]], Module] = module._apply
+            apply(allocate)
+        else:
+            _allocate_keeping_ties(module, device)
         with _shard_rng(mesh):
             for owner in reversed(owners):
                 reset = _reset_method(owner)
@@ -177,3 +185,20 @@ def materialise_meta_tensors(module: Module, device: torch.device, mesh: DeviceM
 
 def _plain_meta(tensor: Tensor) -> bool:
     return tensor.is_meta and not isinstance(tensor, DTensor)
+
+
+def _allocate_keeping_ties(module: Module, device: torch.device) -> None:
+    """Gives each meta parameter and buffer of a plain module memory; one shared by several modules (tied weights)
+    becomes one new tensor in all of them. (``Module.to_empty`` makes a new parameter per module: the tie breaks.)"""
+    new: dict[int, Tensor] = {}
+    old: list[Tensor] = []  # kept alive while their ids are the keys of `new`
+    for owner in module.modules():
+        for store in (owner._parameters, owner._buffers):
+            for name, tensor in list(store.items()):
+                if tensor is None or not tensor.is_meta:
+                    continue
+                if id(tensor) not in new:
+                    empty = torch.empty_like(tensor, device=device)
+                    new[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if store is owner._parameters else empty
+                    old.append(tensor)
+                store[name] = new[id(tensor)]  # type: ignore[assignment]
