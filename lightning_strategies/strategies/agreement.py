@@ -149,10 +149,15 @@ def agree_on_sharded_save(directory: _PATH, proposed_id: str) -> str:
     return str(everyone[0]["save_id"])
 
 
-def agree_on_resume_path(trainer: pl.Trainer, require: Callable[[Mapping[str, Any], str, str], None]) -> None:
+def agree_on_resume_path(
+    trainer: pl.Trainer,
+    require: Callable[[Mapping[str, Any], str, str], None],
+    then: Callable[[str | None], None] | None = None,
+) -> None:
     """Makes ``trainer`` check, on every rank, that all ranks resume from the same ``ckpt_path`` (or none).
 
-    The check runs once, at the Trainer's next restore; :func:`forget_resume_path_check` undoes an unused one.
+    The check runs once, at the Trainer's next restore; :func:`forget_resume_path_check` undoes an unused one. ``then``
+    is called with the agreed path (``None``: nothing is restored) before the restore starts.
     """
     connector = getattr(trainer, "_checkpoint_connector", None)
     resume_start = getattr(connector, "resume_start", None)
@@ -165,6 +170,8 @@ def agree_on_resume_path(trainer: pl.Trainer, require: Callable[[Mapping[str, An
         del vars(connector)["resume_start"]
         path = None if checkpoint_path is None else str(checkpoint_path)
         require({"ckpt_path": path}, "the checkpoint to resume from", "pass the same ckpt_path to fit() on every rank")
+        if then is not None:
+            then(path)
         return resume_start(checkpoint_path, *args, **kwargs)
 
     vars(connector)["resume_start"] = agreeing_resume_start

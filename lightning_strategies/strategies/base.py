@@ -94,6 +94,7 @@ from .failures import (
     stop_started_ranks,
 )
 from .launcher import HAND_BACK_OPTIONS, CanonicalStateLauncher, HandBack
+from .meta_init import has_meta_tensors, refuse_meta_tensors
 from .precision import install_agreeing_scaler, remove_agreeing_scaler
 from .redirection import ForwardRedirection
 from .stops import (
@@ -134,6 +135,8 @@ class DirectReferenceStrategy(ParallelStrategy):
     #: Whether steps broadcast rank 0's changing buffers first (see :class:`RankZeroBuffers`); set by subclasses
     #: whose wrapper does not.
     _broadcast_buffers: bool = False
+    #: Whether setup gives meta-device tensors memory (after sharding); strategies that cannot refuse them.
+    _materialises_meta_tensors: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -438,12 +441,14 @@ class DirectReferenceStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         if self.accelerator is None:
             raise RuntimeError(f"{type(self).__name__} has no accelerator; pass it to a Trainer before use.")
+        if not self._materialises_meta_tensors:  # every rank alike, before any collective
+            refuse_meta_tensors(self.require_lightning_module(), self.strategy_name)
         # Before wrapping: different options (say, another state_dict_type) would make the ranks wrap and shard
         # differently, and their collectives would never meet.
         self.require_agreement(
             self.options_fingerprint(), "the strategy's options", "configure the strategy the same way"
         )
-        agree_on_resume_path(trainer, self.require_agreement)
+        agree_on_resume_path(trainer, self.require_agreement, then=self.before_restore)
         self.accelerator.setup(trainer)
         module = self.require_lightning_module()
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -460,6 +465,13 @@ class DirectReferenceStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def before_restore(self, checkpoint_path: str | None) -> None:
+        """Hook: runs on every rank after setup, before the Trainer restores ``checkpoint_path`` (``None``: nothing).
+
+        Args:
+            checkpoint_path: The checkpoint every rank agreed to restore, or ``None``.
+        """
 
     def configure_for_fit(self, trainer: pl.Trainer) -> None:
         """Wraps ``self.lightning_module`` into ``self.model`` and creates ``self.optimizers``.
@@ -559,7 +571,17 @@ class DirectReferenceStrategy(ParallelStrategy):
             vars(self._precision_plugin).pop("_after_closure", None)
         if module is not None:
             self.model = module  # drop the wrapper; the direct reference is all that is left
-        super().teardown()
+        if module is None or not has_meta_tensors(module):
+            super().teardown()
+            return
+        # Lightning's teardown moves the module to the CPU. A meta module (refused in setup, or in the launching
+        # process of a run that failed before handing weights back) cannot move, and that error would hide the run's
+        # own: it stays where it is.
+        vars(module)["cpu"] = lambda: module
+        try:
+            super().teardown()
+        finally:
+            del vars(module)["cpu"]
 
     @contextmanager
     @override

@@ -60,6 +60,12 @@ from .._torch_private import composable_activation_checkpoint
 from .base import DirectReferenceStrategy, StartMethod
 from .full_gradients import full_dtensor_gradients
 from .launcher import HandBack
+from .meta_init import (
+    has_meta_tensors,
+    materialise_meta_tensors,
+    refuse_uninitialised,
+    uninitialised_meta_tensors,
+)
 from .optimizers import OptimizerNeed, refuse_unsupported_optimizers, step_on_local_shards, steps_on_local_shards
 from .redirection import SubmoduleCallRouting
 
@@ -111,6 +117,10 @@ def _local_parts(full: Mapping[str, Any], current: Mapping[str, Any]) -> dict[st
         else:
             parts[key] = value
     return parts
+
+
+def _on(module: Module, device: torch.device) -> bool:
+    return all(tensor.device == device for tensor in chain(module.parameters(), module.buffers()))
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -198,6 +208,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
     """
 
     strategy_name = "fsdp2"
+    _materialises_meta_tensors = True
 
     def __init__(
         self,
@@ -247,6 +258,8 @@ class FSDP2Strategy(DirectReferenceStrategy):
         self._state_dict_type = state_dict_type
         self._broadcast_buffers = broadcast_buffers
         self._device_mesh: DeviceMesh | None = None
+        self._model_parallel_mesh: DeviceMesh | None = None
+        self._left_for_the_restore: dict[str, str] = {}
         self._sharded_checkpoint: _DcpRestore | None = None
         self._routing: SubmoduleCallRouting | None = None
 
@@ -254,10 +267,50 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The 1-D data-parallel mesh (for ``fully_shard(..., mesh=strategy.device_mesh)`` in ``configure_model``)."""
+        """The 1-D data-parallel mesh (for ``fully_shard(..., mesh=strategy.device_mesh)`` in ``configure_model``).
+
+        It is the ``"data_parallel"`` dimension of :attr:`model_parallel_mesh`.
+        """
         if self._device_mesh is None:
-            self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+            self._device_mesh = self.model_parallel_mesh["data_parallel"]
         return self._device_mesh
+
+    @property
+    def model_parallel_mesh(self) -> DeviceMesh:
+        """The mesh upstream ``ModelParallelStrategy`` gives the LightningModule as ``self.device_mesh``.
+
+        Dimensions ``("data_parallel", "tensor_parallel")`` of sizes ``(world_size, 1)``: code written for
+        ``ModelParallelStrategy`` (``fully_shard(layer, mesh=self.device_mesh["data_parallel"])`` in
+        ``configure_model``) runs unchanged. Set on the LightningModule in ``setup_environment``.
+        """
+        if self._model_parallel_mesh is None:
+            self._model_parallel_mesh = init_device_mesh(
+                self.root_device.type, (self.world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel")
+            )
+        return self._model_parallel_mesh
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        module = self.lightning_module
+        if module is not None:  # read in configure_model, which the Trainer calls next
+            module._device_mesh = self.model_parallel_mesh
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` creates tensors on the meta device (no memory anywhere).
+
+        Setup shards the model first and then materialises it: each rank allocates its shards only and initialises
+        them with the owning modules' ``reset_parameters()``; a ``ckpt_path`` restore then fills them. Without
+        ``empty_init`` tensors are created as by every strategy (on this process's device, initialised).
+        """
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield None
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield None
 
     @override
     def _run_step(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
@@ -330,13 +383,40 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     @override
     def model_to_device(self) -> None:
-        if not self._cpu_offload:  # offloaded parameters stay on the host; FSDP moves what it computes with
-            super().model_to_device()
+        if self._cpu_offload:  # offloaded parameters stay on the host; FSDP moves what it computes with
+            return
+        module = self.require_lightning_module()
+        if has_meta_tensors(module):  # fully_shard moves the others; the meta ones get memory after sharding
+            return
+        if _is_sharded(module) and _on(module, self.root_device):
+            # Sharded by an earlier run in this process (`trainer.test` after `trainer.fit`): `.to()` would swap every
+            # DTensor parameter for itself, which torch refuses inside `torch.inference_mode()`.
+            return
+        super().model_to_device()
+
+    def _shard_and_materialise(self, trainer: pl.Trainer) -> pl.LightningModule:
+        """Shards the LightningModule, then gives its meta tensors (``empty_init=True``) memory: each rank's shards."""
+        module = self.require_lightning_module()
+        # Every rank alike, before sharding: what no restore could fill (non-persistent buffers) is refused now, the
+        # rest once the Trainer says whether it restores a checkpoint (before_restore).
+        refuse_uninitialised(uninitialised_meta_tensors(module, restored=True), self.strategy_name)
+        self._left_for_the_restore = uninitialised_meta_tensors(module, restored=False)
+        self._shard(module)
+        device = torch.device("cpu") if self._cpu_offload else self.root_device
+        materialise_meta_tensors(module, device, self.device_mesh)
+        return module
+
+    @override
+    def before_restore(self, checkpoint_path: str | None) -> None:
+        left, self._left_for_the_restore = self._left_for_the_restore, {}
+        # Materialised tensors whose modules have no reset_parameters() hold uninitialised memory until a strict
+        # restore fills them: refused, on every rank alike, before anything reads them.
+        if left and (checkpoint_path is None or not self.require_lightning_module().strict_loading):
+            refuse_uninitialised(left, self.strategy_name)
 
     @override
     def configure_for_fit(self, trainer: pl.Trainer) -> None:
-        module = self.require_lightning_module()
-        self._shard(module)
+        module = self._shard_and_materialise(trainer)
         self.setup_optimizers(trainer)  # after sharding: configure_optimizers() sees the DTensor parameters
         refuse_unsupported_optimizers(self.strategy_name, self.optimizers, module, _REFUSED_OPTIMIZER_NEEDS)
         for optimizer in self.optimizers:
@@ -346,9 +426,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     @override
     def configure_for_evaluation(self, trainer: pl.Trainer) -> None:
-        module = self.require_lightning_module()
-        self._shard(module)
-        self.model = module
+        self.model = self._shard_and_materialise(trainer)
 
     @contextmanager
     @override
@@ -391,8 +469,12 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     @override
     def teardown(self) -> None:
-        super().teardown()
+        # Lightning's teardown moves the module to the CPU, for a sharded one by swapping each DTensor parameter,
+        # which torch refuses inside `torch.inference_mode()` (a `trainer.test` called there): it runs outside it.
+        with torch.inference_mode(False):
+            super().teardown()
         self._device_mesh = None
+        self._model_parallel_mesh = None
         self._routing = None
 
     # ------------------------------------------------------------------ model state

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+import torch
 import torch.distributed
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 from typing_extensions import override
@@ -40,6 +41,7 @@ from .._lightning import (
     pl,
 )
 from .atomic_io import synchronous_checkpoint_io
+from .meta_init import has_meta_tensors, materialise_meta_tensors
 
 #: What a fork/spawn fit hands back to the main process: the whole end-of-fit checkpoint, or the weights only.
 HandBack = Literal["checkpoint", "weights"]
@@ -188,6 +190,11 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
 
     @override
     def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
+        module = trainer.lightning_module
+        if worker_output.weights_path is not None and module is not None and has_meta_tensors(module):
+            # Built on the meta device here (init_module(empty_init=True)): loading into a meta tensor is a silent
+            # no-op, so the tensors get memory (and their reset_parameters() values, for buffers the weights lack).
+            materialise_meta_tensors(module, torch.device("cpu"))
         super()._recover_results_in_main_process(worker_output, trainer)  # loads the weights and removes their file
         state_path = worker_output.extra.get(_TRAINING_STATE_PATH)
         if state_path is not None:
