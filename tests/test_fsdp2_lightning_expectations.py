@@ -311,6 +311,34 @@ def test_test_and_predict_after_fit_in_the_same_process_in_inference_mode_give_d
         assert torch.allclose(torch.tensor(rank["predictions"]), torch.tensor(expected["predictions"]), atol=1e-5)
 
 
+def _fit_then_test_a_checkpoint_in_inference_mode(strategy: Any, path: Path) -> float:
+    """Every rank: fit, save, then ``trainer.test(ckpt_path=...)`` inside ``torch.inference_mode()`` (upstream's
+    ``test_save_checkpoint_path_exists``-style flow): the restore runs in inference mode."""
+    pl.seed_everything(7, verbose=False)
+    model = ConformanceModel()
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1))
+    trainer.fit(model)
+    trainer.save_checkpoint(path)
+    with torch.inference_mode():
+        tested = trainer.test(model, ckpt_path=path, verbose=False)
+    return float(tested[0]["test_loss"])
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_testing_a_checkpoint_in_inference_mode_after_fit_restores_it_under_fsdp2(
+    state_dict_type: str, tmp_path: Path
+) -> None:
+    # The restore read the module's state (DTensor.detach), which torch refuses in inference mode.
+    expected = run_as_ranks(lambda: _fit_then_test_a_checkpoint_in_inference_mode("ddp", tmp_path / "ddp.ckpt"))
+    ours = run_as_ranks(
+        lambda: _fit_then_test_a_checkpoint_in_inference_mode(
+            FSDP2Strategy(state_dict_type=state_dict_type), tmp_path / "fsdp2.ckpt"
+        )
+    )
+
+    assert ours == pytest.approx(expected, abs=1e-5)
+
+
 # ------------------------------------------------------------------------------ code written for ModelParallelStrategy
 
 

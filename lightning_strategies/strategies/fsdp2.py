@@ -627,6 +627,12 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # Reading and writing DTensor parameters (their detach) is refused inside `torch.inference_mode()`, where
+        # `trainer.test(ckpt_path=...)` may restore: the restore runs outside it.
+        with torch.inference_mode(False):
+            self._load_model_state_dict(checkpoint, strict)
+
+    def _load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self._sharded_checkpoint is None:
             super().load_model_state_dict(checkpoint, strict)
             return
@@ -654,6 +660,12 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # Reading and writing DTensor parameters (their detach) is refused inside `torch.inference_mode()`, where
+        # `trainer.test(ckpt_path=...)` may restore: the restore runs outside it.
+        with torch.inference_mode(False):
+            self._load_optimizer_state_dict(checkpoint)
+
+    def _load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._sharded_checkpoint is None:
             super().load_optimizer_state_dict(checkpoint)
             return
