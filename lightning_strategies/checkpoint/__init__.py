@@ -14,11 +14,15 @@ from lightning_strategies.checkpoint.metadata import (
     require_full_checkpoint,
 )
 from lightning_strategies.checkpoint.model_state import (
+    COMPILED_SEGMENT,
     WRAPPER_PREFIXES,
+    canonical_key,
+    canonical_keys,
     check_model_state,
     load_model_state,
     strip_wrapper_segments,
     to_cpu_state,
+    to_module_keys,
 )
 from lightning_strategies.checkpoint.optimizer_state import (
     check_optimizer_state,
@@ -28,6 +32,7 @@ from lightning_strategies.checkpoint.optimizer_state import (
 )
 
 __all__ = [
+    "COMPILED_SEGMENT",
     "FORMAT_VERSION",
     "METADATA_KEY",
     "WRAPPER_PREFIXES",
@@ -36,6 +41,8 @@ __all__ = [
     "CheckpointMetadata",
     "ModelStateMismatchError",
     "OptimizerStateMismatchError",
+    "canonical_key",
+    "canonical_keys",
     "check_model_state",
     "check_optimizer_state",
     "check_optimizer_states",
@@ -46,4 +53,5 @@ __all__ = [
     "shallow_copy_state",
     "strip_wrapper_segments",
     "to_cpu_state",
+    "to_module_keys",
 ]

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
-from lightning_strategies.checkpoint.model_state import strip_wrapper_segments
+from lightning_strategies.checkpoint.model_state import COMPILED_SEGMENT, strip_wrapper_segments
 
 FSDP = FullyShardedDataParallel
 
@@ -31,8 +31,9 @@ _NAMES_SHOWN = 3  # parameters an error message names per param group; the rest 
 
 
 def canonical_name(path: str) -> str:
-    """A path seen through fairscale's wrappers, as the plain module names it."""
-    return strip_wrapper_segments(path, FAIRSCALE_SEGMENTS)
+    """A path seen through fairscale's wrappers, as the plain, uncompiled module names it (no ``_orig_mod`` of a
+    submodule compiled with ``torch.compile``: canonical state never holds it)."""
+    return strip_wrapper_segments(path, (*FAIRSCALE_SEGMENTS, COMPILED_SEGMENT))
 
 
 def join_name(prefix: str, name: str) -> str:

@@ -39,6 +39,72 @@ def strip_wrapper_segments(name: str, segments: tuple[str, ...]) -> str:
     return ".".join(part for part in name.split(".") if part not in segments)
 
 
+#: The child name under which ``torch.compile`` (its ``OptimizedModule``) registers the module it compiled: a compiled
+#: submodule's keys are ``<path>._orig_mod.<rest>`` where the uncompiled module's are ``<path>.<rest>``.
+COMPILED_SEGMENT = "_orig_mod"
+
+
+def canonical_key(key: str) -> str:
+    """A key of a module with compiled submodules as the uncompiled module names it (``_orig_mod`` segments dropped).
+
+    Canonical state never holds ``_orig_mod``: a checkpoint is the same whether submodules were compiled or not.
+    """
+    return strip_wrapper_segments(key, (COMPILED_SEGMENT,)) if COMPILED_SEGMENT in key else key
+
+
+def canonical_keys(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with :func:`canonical_key` keys, in the same order (the values are the same objects).
+
+    Raises:
+        ModelStateMismatchError: Two keys name the same entry once ``_orig_mod`` is dropped.
+    """
+    renamed = {canonical_key(key): value for key, value in state.items()}
+    if len(renamed) != len(state):
+        clashing = [key for key in state if COMPILED_SEGMENT in key and canonical_key(key) in state]
+        raise ModelStateMismatchError(
+            f"The model state holds keys with and without the compiled-module segment {COMPILED_SEGMENT!r} for the"
+            f" same entry ({_listing(clashing)} and their names without it): it cannot be made canonical."
+        )
+    return renamed
+
+
+def to_module_keys(state: Mapping[str, Any], module: Module, hidden: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``state`` (canonical keys, or the ``_orig_mod`` keys of older files) under the keys ``module.state_dict()``
+    uses: ``<path>._orig_mod.<rest>`` for each submodule compiled with ``torch.compile``.
+
+    The compiled submodules are found by name, from ``module.named_modules()``: a module registered as
+    ``_orig_mod`` is the one a compiled submodule holds. Nothing is unwrapped.
+
+    Args:
+        state: Model state to load.
+        module: The module it is loaded into (or the wrapper whose ``state_dict()`` it is loaded with).
+        hidden: Path segments of wrappers that ``module.state_dict()`` leaves out of its keys (fairscale's).
+
+    Returns:
+        The renamed state; keys outside every compiled submodule (or unknown to the module) as they were.
+    """
+    canonical = canonical_keys(state)
+    # canonical path of a compiled submodule -> its path in the module's own keys, the deepest first
+    compiled: dict[str, str] = {}
+    for path, _ in module.named_modules():
+        own = strip_wrapper_segments(path, hidden)
+        if own.rsplit(".", 1)[-1] == COMPILED_SEGMENT:
+            compiled[canonical_key(own)] = own
+    if not compiled:
+        return canonical
+    ordered = sorted(compiled, key=len, reverse=True)
+
+    def own_key(key: str) -> str:
+        for path in ordered:
+            if not path:  # the module itself is compiled: every key is below it
+                return f"{compiled[path]}.{key}"
+            if key.startswith(f"{path}."):
+                return compiled[path] + key[len(path) :]
+        return key
+
+    return {own_key(key): value for key, value in canonical.items()}
+
+
 def tied_parameter_aliases(module: Module) -> dict[str, str]:
     """The second and further names of parameters registered under several names (tied weights), each mapped to the
     first name, the one ``named_parameters()`` and optimizers count it under.
@@ -194,7 +260,8 @@ def check_model_state(
 def load_model_state(module: Module, state: Mapping[str, Any], *, strict: bool = True, source: str = "") -> None:
     """Loads canonical ``state`` into a module whose parameters are whole tensors (no sharding).
 
-    The state is validated first, so on error the module is left unchanged.
+    The state is validated first, so on error the module is left unchanged. Compiled submodules take canonical keys
+    and the ``_orig_mod`` keys of older files alike (see :func:`to_module_keys`).
 
     Args:
         module: The LightningModule (or any module) to load into.
@@ -205,8 +272,9 @@ def load_model_state(module: Module, state: Mapping[str, Any], *, strict: bool =
     Raises:
         ModelStateMismatchError: The state does not fit the module.
     """
-    check_model_state(module.state_dict(), state, strict=strict, source=source or "the checkpoint")
-    module.load_state_dict(state, strict=strict)
+    state = canonical_keys(state)
+    check_model_state(canonical_keys(module.state_dict()), state, strict=strict, source=source or "the checkpoint")
+    module.load_state_dict(to_module_keys(state, module), strict=strict)
 
 
 def to_cpu_state(state: Mapping[str, Any]) -> dict[str, Any]:

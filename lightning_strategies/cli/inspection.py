@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_strategies.checkpoint import (
+    COMPILED_SEGMENT,
     METADATA_KEY,
     WRAPPER_PREFIXES,
     CheckpointError,
@@ -193,6 +194,13 @@ def model_state_findings(report: Inspection, state: Any, expected: Mapping[str, 
             f" (e.g. {example!r} for {key_map[example]!r}): the state was read from a wrapper instead of the"
             " LightningModule, so a strict load reports missing and unexpected keys."
         )
+        if f"{COMPILED_SEGMENT}." in prefixes:
+            message += (
+                f" {COMPILED_SEGMENT + '.'!r} is where torch.compile's OptimizedModule keeps the submodule it compiled:"
+                " the file was written from a module with submodules compiled with torch.compile (by upstream"
+                " Lightning or an older version of this package), and an uncompiled module does not have these keys."
+                " This package's strategies read them; the checkpoints they write hold the uncompiled keys."
+            )
         if collisions:
             report.add(
                 "error",

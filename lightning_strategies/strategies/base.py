@@ -31,6 +31,7 @@ from lightning_strategies.checkpoint import (
     FORMAT_VERSION,
     METADATA_KEY,
     CheckpointMetadata,
+    canonical_keys,
     check_optimizer_states,
     load_model_state,
     param_group_shapes,
@@ -663,10 +664,11 @@ class DirectReferenceStrategy(ParallelStrategy):
     def full_model_state(self) -> dict[str, Any]:
         """Canonical model state on global rank 0 (the unwrapped module's keys, full CPU tensors); ``{}`` elsewhere.
 
-        Every rank must call it: subclasses may gather with collectives.
+        Every rank must call it: subclasses may gather with collectives. Submodules compiled with ``torch.compile``
+        add no ``_orig_mod`` segment: the keys are the uncompiled module's (see ``checkpoint.canonical_keys``).
         """
         state = self._canonical_model_state()
-        return state if self.is_global_zero else {}
+        return canonical_keys(state) if self.is_global_zero else {}
 
     def _canonical_model_state(self) -> dict[str, Any]:
         """Hook: the canonical model state on rank 0. Default: the module holds whole tensors, read them directly."""
@@ -823,7 +825,10 @@ class DirectReferenceStrategy(ParallelStrategy):
                 self._check_optimizer_states(checkpoint["optimizer_states"])
             else:
                 self._resume_without_optimizer_state(checkpoint)
-        self._load_canonical_model_state(checkpoint["state_dict"], strict=strict)
+        state = checkpoint["state_dict"]
+        if isinstance(state, Mapping):  # older files (and upstream's) hold compiled submodules' `_orig_mod` keys
+            state = canonical_keys(state)
+        self._load_canonical_model_state(state, strict=strict)
 
     def _resume_without_optimizer_state(self, checkpoint: Mapping[str, Any]) -> None:
         """A fit restores a checkpoint that holds no optimizer state (weights-only, full file or sharded directory):

@@ -31,13 +31,16 @@ from lightning_strategies.checkpoint import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointMetadata,
+    canonical_keys,
     check_model_state,
     check_optimizer_states,
     param_group_shapes,
     to_cpu_state,
+    to_module_keys,
 )
 from lightning_strategies.checkpoint.flat import gather_full, local_shard, split_full
 from lightning_strategies.checkpoint.flat_layout import (
+    FAIRSCALE_SEGMENTS,
     FlatUnit,
     OptimizerLayout,
     canonical_name,
@@ -246,7 +249,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         user_wrapped = any(isinstance(child, FSDP) for child in module.modules())
         ties = tied_aliases(module)
         # The order of the plain module's state_dict, for the canonical state gathered unit by unit (references only).
-        self._state_key_order = [] if user_wrapped else list(module.state_dict(keep_vars=True))
+        self._state_key_order = [] if user_wrapped else list(canonical_keys(module.state_dict(keep_vars=True)))
 
         def wrap_marked(child: Module, **given: Any) -> FSDP:
             return ClassifiedFSDP(child, **{**kwargs, **given})
@@ -381,8 +384,26 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             return self._manual_optimization_step(module, wrapper, *args, **kwargs)
         if method_name == "training_step":  # backward still needs the views (activation checkpointing reads them)
             return super()._run_step(method_name, *args, **kwargs)
-        with self._guarding_views():
+        with self._guarding_views(), self._gradients_set_aside():
             return super()._run_step(method_name, *args, **kwargs)
+
+    @contextmanager
+    def _gradients_set_aside(self) -> Generator[None, None, None]:
+        """Takes the flat parameters' gradients off them for a step without backward and puts them back after.
+
+        Between steps a flat parameter holds this rank's shard and the gradient of that shard; in forward its data is
+        the full parameter while the gradient stays the shard's. ``torch.compile`` describes each parameter of a
+        compiled submodule with its gradient, and fails on that one ("attempting to assign a gradient of size").
+        """
+        units = [unit for unit in self._units if unit.param.grad is not None]
+        gradients = [unit.param.grad for unit in units]
+        for unit in units:
+            unit.param.grad = None
+        try:
+            yield None
+        finally:
+            for unit, gradient in zip(units, gradients, strict=True):
+                unit.param.grad = gradient
 
     def _manual_optimization_step(self, module: pl.LightningModule, wrapper: FSDP, *args: Any, **kwargs: Any) -> Any:
         # Manual optimization runs backward (and optimizer steps) inside the step, which fairscale does not allow
@@ -511,15 +532,15 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.require_save_possible()  # before any collective of the save
         if self._state_dict_type == "sharded":  # every rank keeps its own shard: no gather
-            return dict(self._root().local_state_dict())
+            return canonical_keys(self._root().local_state_dict())
         return super().lightning_module_state_dict()
 
     @override
     def _load_canonical_model_state(self, state: Mapping[str, Any], strict: bool) -> None:
         root = self._root()
         check_model_state(self._expected_model_state(), state, strict=strict, source=self._checkpoint_source)
-        with self._guarding_views():
-            root.load_state_dict(dict(state), strict=strict)
+        with self._guarding_views():  # the keys the root's state_dict uses (a compiled submodule's `_orig_mod`)
+            root.load_state_dict(to_module_keys(state, root, FAIRSCALE_SEGMENTS), strict=strict)
 
     # ------------------------------------------------------------------ optimizer state
 
@@ -715,7 +736,10 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
                 key: torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, Tensor) else value
                 for key, value in self._root().local_state_dict().items()
             }
-            check_model_state(local, checkpoint.get("state_dict", {}), strict=True, source=where)
+            saved_local = checkpoint.get("state_dict", {})
+            if isinstance(saved_local, Mapping):  # a compiled submodule's buffers: canonical keys on both sides
+                saved_local = canonical_keys(saved_local)
+            check_model_state(canonical_keys(local), saved_local, strict=True, source=where)
             if restoring:
                 optimizers = self._raw_optimizers()
                 shapes = [param_group_shapes(optimizer) for optimizer in optimizers]
@@ -737,7 +761,9 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         if not holds_optimizer_state(checkpoint):
             self._resume_without_optimizer_state(checkpoint)  # one warning; the optimizers start fresh
         with self._guarding_views():
-            root.load_local_state_dict(checkpoint["state_dict"], strict=strict)
+            root.load_local_state_dict(
+                to_module_keys(checkpoint["state_dict"], root, FAIRSCALE_SEGMENTS), strict=strict
+            )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

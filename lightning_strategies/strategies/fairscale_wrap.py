@@ -35,6 +35,7 @@ from lightning_strategies.checkpoint.flat_layout import (
     join_name,
     tied_aliases,
 )
+from lightning_strategies.checkpoint.model_state import COMPILED_SEGMENT
 
 from .full_gradients import FairScaleUnitView
 
@@ -185,9 +186,14 @@ def tie_safe_policy(model: Module, min_num_params: int) -> Callable[..., bool]:
         The policy for ``fairscale.nn.wrap.auto_wrap``.
     """
     uses = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
+    # Modules inside a submodule compiled with torch.compile (registered below its `_orig_mod`): dynamo would trace
+    # a wrapper's forward inside the compiled one, and fails on it. The compiled submodule is wrapped whole or not.
+    compiled = {id(inner) for path, inner in model.named_modules() if COMPILED_SEGMENT in path.split(".")}
 
     def policy(module: Module, recurse: bool, **sizes: Any) -> bool:
         # `sizes`: fairscale's counts of parameters not yet wrapped and whether the module is the root, by keyword.
+        if id(module) in compiled:
+            return False
         if not default_auto_wrap_policy(module=module, recurse=recurse, min_num_params=min_num_params, **sizes):
             return False
         if recurse:

@@ -37,6 +37,8 @@ from typing_extensions import override
 
 from lightning_strategies.checkpoint import (
     CheckpointMetadata,
+    canonical_key,
+    canonical_keys,
     check_model_state,
 )
 from lightning_strategies.checkpoint.atomic import raise_if_disk_full
@@ -499,11 +501,14 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     def _expected_model_state(self) -> dict[str, Any]:
         """Canonical keys with meta tensors of the global shapes (a DTensor's shape is the global one); entries that
-        are not tensors (``get_extra_state``) as they are."""
-        return {
-            key: torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, Tensor) else value
-            for key, value in self.require_lightning_module().state_dict().items()
-        }
+        are not tensors (``get_extra_state``) as they are. Canonical, as torch's distributed state-dict API names
+        them too: a compiled submodule's entries without ``_orig_mod``."""
+        return canonical_keys(
+            {
+                key: torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, Tensor) else value
+                for key, value in self.require_lightning_module().state_dict().items()
+            }
+        )
 
     @override
     def _load_canonical_model_state(self, state: Mapping[str, Any], strict: bool) -> None:
@@ -519,7 +524,8 @@ class FSDP2Strategy(DirectReferenceStrategy):
     # ------------------------------------------------------------------ optimizer state
 
     def _names(self, optimizer: Optimizer) -> list[list[str]]:
-        name_of = {id(param): name for name, param in self.require_lightning_module().named_parameters()}
+        # Canonical names, as torch's distributed state-dict API keys optimizer state (no `_orig_mod`).
+        name_of = {id(param): canonical_key(name) for name, param in self.require_lightning_module().named_parameters()}
         return [[name_of[id(param)] for param in group["params"]] for group in optimizer.param_groups]
 
     @override

@@ -29,7 +29,7 @@ import torch.distributed
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 from typing_extensions import override
 
-from lightning_strategies.checkpoint import CheckpointMetadata
+from lightning_strategies.checkpoint import CheckpointMetadata, to_module_keys
 from lightning_strategies.checkpoint.training_state import complete_with_end_of_fit_state
 
 from .._lightning import (
@@ -191,16 +191,23 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
     @override
     def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
         module = trainer.lightning_module
-        if worker_output.weights_path is not None and module is not None and has_meta_tensors(module):
-            # Built on the meta device here (init_module(empty_init=True)): loading into a meta tensor is a silent
-            # no-op, so the tensors get memory (and their reset_parameters() values, for buffers the weights lack).
-            materialise_meta_tensors(module, torch.device("cpu"))
-        super()._recover_results_in_main_process(worker_output, trainer)  # loads the weights and removes their file
+        weights_path = worker_output.weights_path
+        if weights_path is not None and module is not None:
+            if has_meta_tensors(module):
+                # Built on the meta device here (init_module(empty_init=True)): loading into a meta tensor is a silent
+                # no-op, so the tensors get memory (and their reset_parameters() values, for buffers the weights lack).
+                materialise_meta_tensors(module, torch.device("cpu"))
+            # Upstream loads the weights with strict=False: a compiled submodule, whose keys here hold `_orig_mod`,
+            # would silently keep its old weights. The canonical keys are renamed to the module's own first.
+            weights = self._strategy.checkpoint_io.load_checkpoint(weights_path, weights_only=True)
+            module.load_state_dict(to_module_keys(weights, module), strict=False)
+            worker_output = worker_output._replace(weights_path=None)
+        super()._recover_results_in_main_process(worker_output, trainer)
         state_path = worker_output.extra.get(_TRAINING_STATE_PATH)
         if state_path is not None:
             self._end_of_fit_state = self._strategy.checkpoint_io.load_checkpoint(state_path, weights_only=True)
-        if worker_output.weights_path is not None:
-            shutil.rmtree(os.path.dirname(worker_output.weights_path), ignore_errors=True)
+        if weights_path is not None:
+            shutil.rmtree(os.path.dirname(weights_path), ignore_errors=True)
 
     def __getstate__(self) -> dict[str, Any]:
         state: dict[str, Any] = super().__getstate__()
