@@ -16,6 +16,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_strategies import FairScaleFSDPStrategy
+from tests.fuzz.recipes import Manual, ModelSpec, Recipe
+from tests.fuzz.runner import STRATEGIES, Fuzzer
 from tests.helpers import assert_same_weights, fit
 from tests.test_recipes_steps import GAN
 
@@ -119,7 +121,8 @@ class PartlyUsed(pl.LightningModule):
         use: ``"uncalled"`` (``self.extra`` is never called), ``"no_grad"`` (the backbone runs under ``no_grad``: frozen
             by use) or ``"first_batch"`` (``self.extra`` adds to the output in the first batch only).
         manual: Manual optimization (each submodule call is a forward pass of its own) instead of automatic.
-        optimizer: ``"adamw"`` (weight decay moves any parameter it steps) or ``"sgd"`` (momentum and weight decay).
+        optimizer: ``"adamw"`` (weight decay moves any parameter it steps), ``"sgd"`` (momentum and weight decay) or
+            ``"adam"`` (no weight decay: a zero gradient leaves a parameter that never had one where it is).
     """
 
     def __init__(self, use: str, manual: bool, optimizer: str) -> None:
@@ -152,6 +155,8 @@ class PartlyUsed(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         if self.optimizer_name == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
 
     def train_dataloader(self) -> DataLoader[Any]:
@@ -186,3 +191,51 @@ def test_a_one_element_parameter_accumulates_gradients_over_backward_passes_as_u
     fit(ddp(), reference, max_epochs=2)
     fit(FairScaleFSDPStrategy(start_method="fork", flatten_parameters=False), model, max_epochs=2)
     assert_same_weights(model, reference, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def fairscale_fuzzer(tmp_path_factory: pytest.TempPathFactory) -> Fuzzer:
+    return Fuzzer({"fsdp_fairscale": STRATEGIES["fsdp_fairscale"]}, workdir=tmp_path_factory.mktemp("fuzz"))
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        Recipe(model=ModelSpec(uncalled=True), optimizer="sgd"),
+        Recipe(model=ModelSpec(uncalled=True), optimization=Manual(kind="gan"), optimizer="adamw_no_decay"),
+    ],
+    ids=["automatic-sgd", "manual-gan-adamw"],
+)
+def test_an_uncalled_layer_in_a_flat_parameter_is_refused_on_every_rank_before_weight_decay_moves_it(
+    fairscale_fuzzer: Fuzzer, recipe: Recipe
+) -> None:
+    # With default flattening the uncalled layer's gradient is a zero slice of its flat parameter's gradient: weight
+    # decay moved it where ddp (its gradient None) leaves it alone. The hooks on the parameter views see that no
+    # gradient reached it, and every rank refuses before the first optimizer step.
+    (verdict,) = fairscale_fuzzer.run(recipe).verdicts
+    assert verdict.verdict == "refused", verdict.detail
+    assert "flatten_parameters=False" in verdict.detail and "'model.unused.weight'" in verdict.detail
+
+
+@pytest.mark.parametrize("use", ["uncalled", "no_grad"])
+def test_a_parameter_that_never_gets_a_gradient_trains_as_under_ddp_with_default_flattening_and_no_weight_decay(
+    use: str,
+) -> None:
+    # Adam without weight decay leaves a parameter with only zero gradients where it is: nothing to refuse.
+    arguments = {"use": use, "manual": False, "optimizer": "adam"}
+    reference, model = seeded(PartlyUsed, **arguments), seeded(PartlyUsed, **arguments)
+    fit(ddp(), reference, max_epochs=1)
+    fit(FairScaleFSDPStrategy(start_method="fork"), model, max_epochs=1)
+    assert_same_weights(model, reference, atol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_parameter_used_in_some_batches_only_is_refused_at_the_first_step_without_its_gradient(
+    optimizer: str,
+) -> None:
+    # Used in the first batch only: at the second step its momentum (or Adam's averages) would move it on a zero
+    # gradient slice, where ddp skips it. Loud, not silent: the check runs at every step.
+    model = seeded(PartlyUsed, use="first_batch", manual=False, optimizer=optimizer)
+    # The workers' error, as the fork launcher raises it in the main process.
+    with pytest.raises(Exception, match=r"flatten_parameters=False.*'extra.weight' \(no gradient"):
+        fit(FairScaleFSDPStrategy(start_method="fork"), model, max_epochs=1)

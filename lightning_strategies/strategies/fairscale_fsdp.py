@@ -72,6 +72,7 @@ from .fairscale_wrap import (
     WrapRequests,
     by_requires_grad,
     forget_stale_fairscale_groups,
+    gradient_arrivals,
     gradients_kept_as_ddp,
     require_ties_kept,
     tie_safe_policy,
@@ -98,6 +99,47 @@ _REFUSED_OPTIMIZER_NEEDS = {
     ),
     OptimizerNeed.SPARSE_GRADIENTS: "fairscale FSDP flattens and shards gradients as dense tensors",
 }
+
+# A flat parameter's gradient is one tensor: an original parameter that got no gradient in a step has a zero slice in
+# it where ddp leaves its gradient None (and the optimizer skips it). Which optimizers then still step it as ddp does:
+# - without weight decay, every update of these is proportional to the gradients the parameter had so far, so a
+#   parameter that never had one does not move;
+_ZERO_GRADIENT_INERT = frozenset(
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.RMSprop,
+        torch.optim.Adagrad,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.Adadelta,
+        torch.optim.Rprop,
+    }
+)
+# - these do not count the steps a parameter took part in (momentum buffers and sums start from zero either way), so a
+#   parameter that skipped steps moves as under ddp once it gets gradients (Adam's bias correction counts every step
+#   of the flat parameter instead);
+_STEP_COUNT_FREE = frozenset({torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad})
+
+
+def _moves_without_gradient(optimizer: Optimizer, group: Mapping[str, Any], had_gradient: bool) -> str | None:
+    """Why a zero gradient slice moves a parameter (``None``: it does not), for a parameter of ``group``."""
+    kind = type(optimizer)
+    if group.get("weight_decay", 0):
+        return f"weight_decay={group['weight_decay']}"
+    if kind not in _ZERO_GRADIENT_INERT:
+        return f"{kind.__name__} (not known to leave a parameter with zero gradients alone)"
+    if had_gradient and not (
+        kind is torch.optim.Adagrad or (kind in (torch.optim.SGD, torch.optim.RMSprop) and not group.get("momentum"))
+    ):
+        return "the momentum or running averages of its earlier gradients"
+    return None
+
+
+def _counts_steps(optimizer: Optimizer, group: Mapping[str, Any]) -> bool:
+    return type(optimizer) not in _STEP_COUNT_FREE or bool(group.get("lr_decay", 0))
 
 
 class FairScaleFSDPStrategy(DirectReferenceStrategy):
@@ -190,6 +232,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._routing: SubmoduleCallRouting | None = None
         self._original_children: list[tuple[Module, str, Module]] = []
         self._state_key_order: list[str] = []
+        # Per original parameter of a shared flat parameter: 1 had a gradient at a step, 2 had none at a step.
+        self._gradient_history: dict[str, int] = {}
 
     @classmethod
     @override
@@ -274,6 +318,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         module = self.require_lightning_module()
         names_before = parameter_names(module)
         self._layouts = {}
+        self._gradient_history = {}
         self.setup_optimizers(trainer)  # the user's optimizers, over the parameters as configure_optimizers saw them
         refuse_unsupported_optimizers(self.strategy_name, self.optimizers, module, _REFUSED_OPTIMIZER_NEEDS)
         group_of = {
@@ -403,6 +448,69 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             return
         with self._guarding_views(), full_fairscale_parameters([unit_view(unit) for unit in self._units]):
             yield None
+
+    @override
+    def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
+        self._refuse_gradientless_flat_parameters(optimizer)
+        super()._after_closure(model, optimizer)
+
+    def _refuse_gradientless_flat_parameters(self, optimizer: Optimizer) -> None:
+        """Before a step: raises on every rank if a parameter that shares a flat parameter got no gradient (on any
+        rank) and the step would move it, or would move it otherwise than ddp later (see ``_ZERO_GRADIENT_INERT``).
+
+        Hooks on the module's parameter views record on each rank which parameters a gradient reached; one
+        all-reduce of those flags per step (every rank, for every optimizer that steps shared flat parameters: the
+        same decision everywhere) combines them. Checked at every step: a parameter used in some batches only
+        (a conditional branch) is the same case as one never used.
+        """
+        layout = self._layouts.get(id(optimizer))
+        if layout is None:
+            return
+        tracked = [
+            (unit, group)
+            for group, units in zip(optimizer.param_groups, layout.group_units, strict=True)
+            for unit in units
+            if isinstance(unit.param, FlatParameter) and len(unit.names) > 1
+        ]
+        if not tracked:  # decided by the wrapping alone: the same on every rank
+            return
+        flags = [flag for unit, _ in tracked for flag in (gradient_arrivals(unit.param) or [False] * len(unit.names))]
+        arrived = torch.tensor(flags, dtype=torch.float32, device=self.root_device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(arrived)
+        combined = (arrived > 0).tolist()
+        problems: list[str] = []
+        position = 0
+        for unit, group in tracked:
+            got = combined[position : position + len(unit.names)]
+            position += len(unit.names)
+            if unit.param.grad is None or not unit.param.requires_grad or all(got):
+                if unit.param.grad is not None:
+                    for name in unit.names:
+                        self._gradient_history[name] = self._gradient_history.get(name, 0) | 1
+                continue
+            for name, has_gradient in zip(unit.names, got, strict=True):
+                history = self._gradient_history.get(name, 0)
+                if has_gradient:
+                    if history & 2 and _counts_steps(optimizer, group):
+                        problems.append(
+                            f"{name!r} (gets a gradient after steps without one: {type(optimizer).__name__} counted"
+                            " those steps for it, ddp does not)"
+                        )
+                    self._gradient_history[name] = history | 1
+                    continue
+                why = _moves_without_gradient(optimizer, group, had_gradient=bool(history & 1))
+                if why is not None:
+                    problems.append(f"{name!r} (no gradient; {why} would move it)")
+                self._gradient_history[name] = history | 2
+        if problems:
+            shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+            raise RuntimeError(
+                "fsdp_fairscale with flattened parameters cannot train parameters that get no gradient in a step"
+                " while others flattened with them do (pass flatten_parameters=False to FairScaleFSDPStrategy, or"
+                f" give every parameter a gradient in each step): {shown}. fairscale gives them a zero gradient slice"
+                " where ddp gives them none and leaves them alone; this optimizer step was not taken."
+            )
 
     def _unshard_into_module(self) -> None:
         """Gives the LightningModule back its own full parameters and submodules, as before setup.

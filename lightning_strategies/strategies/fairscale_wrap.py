@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -59,6 +60,51 @@ class _ClassifiedFlattenParamsWrapper(FlattenParamsWrapper):
                 classes.setdefault(type(self).param_class(param), []).append(param)
             param_list = list(classes.values())
         super().__init__(module, param_list=param_list, flat_param_names=flat_param_names)
+
+    def _unflatten_params_as_views(self) -> None:
+        super()._unflatten_params_as_views()
+        if torch.is_grad_enabled():
+            for flat in self.flat_params:
+                _record_gradient_arrivals(flat)
+
+
+_ARRIVED = "_lightning_strategies_arrived"
+
+
+def _arrive(arrived: list[bool], index: int, grad: Tensor) -> None:
+    arrived[index] = True
+
+
+def _record_gradient_arrivals(flat: Parameter) -> None:
+    """Hooks on the views a forward pass just gave the module: each marks its original parameter as having received a
+    gradient (reset by :func:`forget_gradient_arrivals` before a backward pass that starts from no gradient).
+
+    Only flat parameters that hold several original parameters are tracked: a zero slice of a flat gradient cannot
+    tell "no gradient" (which ddp leaves alone) from "a zero gradient" (which weight decay still moves).
+    """
+    infos = getattr(flat, "_param_infos", ())
+    if not flat.requires_grad or len(infos) < 2:
+        return
+    arrived: list[bool] = vars(flat).setdefault(_ARRIVED, [False] * len(infos))
+    for index, (_, owner, name) in enumerate(infos):
+        view = getattr(owner, name, None)
+        if isinstance(view, Tensor) and view.requires_grad and view.grad_fn is not None:
+            view.register_hook(partial(_arrive, arrived, index))  # type: ignore[no-untyped-call]
+
+
+def gradient_arrivals(flat: Parameter) -> list[bool] | None:
+    """For a tracked flat parameter, whether each original parameter it holds received a gradient on this rank since
+    its gradient was last ``None`` (``None``: not tracked: one original parameter, or never in a forward pass)."""
+    arrived: list[bool] | None = vars(flat).get(_ARRIVED)
+    return arrived
+
+
+def forget_gradient_arrivals(params: Iterator[Parameter] | list[Parameter]) -> None:
+    """Before a backward pass: a flat parameter whose gradient is ``None`` (zeroed) starts with no arrivals again."""
+    for param in params:
+        arrived: list[bool] | None = vars(param).get(_ARRIVED)
+        if arrived is not None and param.grad is None:
+            arrived[:] = [False] * len(arrived)
 
 
 @contextmanager
@@ -343,6 +389,7 @@ def gradients_kept_as_ddp(root: FullyShardedDataParallel) -> Iterator[None]:
     gradient back after it.
     """
     params = [(instance, param) for _, instance in fsdp_instances(root) for param in instance.params]
+    forget_gradient_arrivals([param for _, param in params])
     synced_before = not getattr(root, "_lightning_strategies_unsynced", False)
     for _, param in params:
         if param.grad is None and getattr(param, "_saved_grad_shard", None) is not None:
