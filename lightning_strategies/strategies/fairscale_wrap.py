@@ -75,21 +75,43 @@ def _arrive(arrived: list[bool], index: int, grad: Tensor) -> None:
     arrived[index] = True
 
 
+def _arrive_at_split(arrived: list[bool], grad_inputs: Any, grad_outputs: Any) -> None:
+    for index, grad in enumerate(grad_outputs):
+        if grad is not None:  # autograd passes None for a split output that no gradient reached
+            arrived[index] = True
+
+
 def _record_gradient_arrivals(flat: Parameter) -> None:
-    """Hooks on the views a forward pass just gave the module: each marks its original parameter as having received a
-    gradient (reset by :func:`forget_gradient_arrivals` before a backward pass that starts from no gradient).
+    """Hooks the forward pass's views of ``flat``: each original parameter a gradient reaches is marked as having
+    received one (reset by :func:`forget_gradient_arrivals` before a backward pass that starts from no gradient).
 
     Only flat parameters that hold several original parameters are tracked: a zero slice of a flat gradient cannot
-    tell "no gradient" (which ddp leaves alone) from "a zero gradient" (which weight decay still moves).
+    tell "no gradient" (which ddp leaves alone) from "a zero gradient" (which weight decay still moves). The views are
+    ``flat.split(numels)`` reshaped: one hook on that split's backward node sees which of its outputs got a gradient
+    (one hook per flat parameter and forward pass); where the graph looks otherwise, one hook per view.
     """
-    infos = getattr(flat, "_param_infos", ())
+    infos: list[tuple[str, Module, str]] = list(getattr(flat, "_param_infos", ()))
     if not flat.requires_grad or len(infos) < 2:
         return
     arrived: list[bool] = vars(flat).setdefault(_ARRIVED, [False] * len(infos))
+    views = [getattr(owner, name, None) for _, owner, name in (infos[0], infos[-1])]
+    nodes = [_split_node(view) for view in views]
+    if nodes[0] is not None and nodes[0] is nodes[1]:
+        nodes[0].register_hook(partial(_arrive_at_split, arrived))
+        return
     for index, (_, owner, name) in enumerate(infos):
         view = getattr(owner, name, None)
         if isinstance(view, Tensor) and view.requires_grad and view.grad_fn is not None:
             view.register_hook(partial(_arrive, arrived, index))  # type: ignore[no-untyped-call]
+
+
+def _split_node(view: Any) -> Any:
+    """The backward node of the split a parameter view was cut from, or ``None``."""
+    node = getattr(view, "grad_fn", None)
+    if node is None or type(node).__name__ != "ViewBackward0" or not node.next_functions:
+        return None
+    split = node.next_functions[0][0]
+    return split if split is not None and type(split).__name__.startswith("SplitWithSizesBackward") else None
 
 
 def gradient_arrivals(flat: Parameter) -> list[bool] | None:
