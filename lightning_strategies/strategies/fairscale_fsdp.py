@@ -68,6 +68,7 @@ from .base import DirectReferenceStrategy, StartMethod
 from .fairscale_wrap import (
     ClassifiedFSDP,
     ParamClass,
+    UnitCallGuard,
     ViewGuard,
     WrapRequests,
     by_requires_grad,
@@ -226,6 +227,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._aliases: dict[str, str] = {}  # tied parameters' other names -> the name that holds them
         self._wrap_requests = WrapRequests()
         self._view_guard: ViewGuard | None = None
+        self._unit_guard: UnitCallGuard | None = None
         self._layouts: dict[int, OptimizerLayout] = {}
         self._loaded_sharded = False
         self._sharded_source = "the rank file"
@@ -306,6 +308,12 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._aliases = tied_aliases(root)
         self._view_guard = ViewGuard(root)
         self._view_guard.guard()
+        if self._unit_guard is not None:
+            self._unit_guard.remove()
+        wrapped_by = (
+            "fairscale.nn.wrap" if user_wrapped or requested else f"auto_wrap_min_params={self._auto_wrap_min_params}"
+        )
+        self._unit_guard = UnitCallGuard(root, wrapped_by)
         return root
 
     @override
@@ -375,8 +383,23 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        # Each rank holds a shard of every gradient: the root computes the norm across ranks.
-        self._root().clip_grad_norm_(clip_val)
+        # Each rank holds a shard of every gradient: the norm is summed across ranks. Over this optimizer's parameters
+        # only, as Lightning clips under ddp: the root's clip_grad_norm_ took every gradient the root holds (another
+        # optimizer's, left by a backward pass of a two-optimizer step) into the norm.
+        # (Manual steps pass a LightningOptimizer.)
+        layout = self._layouts.get(id(getattr(optimizer, "_optimizer", optimizer)))
+        if layout is None:
+            self._root().clip_grad_norm_(clip_val)
+            return
+        grads = [unit.param.grad for unit in layout.flat_units if unit.param.grad is not None]
+        squares = torch.zeros((), dtype=torch.float32, device=self.root_device)
+        for grad in grads:
+            squares += grad.detach().float().pow(2).sum().to(self.root_device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(squares, group=self._root().process_group)
+        coefficient = torch.clamp(float(clip_val) / (squares.sqrt() + 1e-6), max=1.0)
+        for grad in grads:
+            grad.detach().mul_(coefficient.to(grad.device, grad.dtype))
 
     @contextmanager
     @override
@@ -452,6 +475,9 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
     @override
     def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
         self._refuse_gradientless_flat_parameters(optimizer)
+        if self._unit_guard is not None:  # the first step made every call the steps make (see UnitCallGuard)
+            self._unit_guard.remove()
+            self._unit_guard = None
         super()._after_closure(model, optimizer)
 
     def _refuse_gradientless_flat_parameters(self, optimizer: Optimizer) -> None:
@@ -560,6 +586,9 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         # The layouts stay until the next setup: after an in-place fit the optimizers still hold flat shards, and
         # `trainer.save_checkpoint` after `fit` gathers them into canonical state through these layouts.
         self._units, self._original_children, self._view_guard = [], [], None
+        if self._unit_guard is not None:
+            self._unit_guard.remove()
+            self._unit_guard = None
         self._routing = None  # it holds the root wrapper, which the run no longer needs
         if self._cpu_patched:
             fairscale_cpu.uninstall()

@@ -356,6 +356,66 @@ class ViewGuard:
                 setattr(owner, name, placeholder)
 
 
+class UnitBypassedError(RuntimeError):
+    """A submodule sharded by a nested FSDP instance ran outside that instance's forward (parameters not gathered)."""
+
+
+_GATHERED_STATES = ("FORWARD", "BACKWARD_PRE", "SUMMON_FULL_PARAMS")
+
+
+class UnitCallGuard:
+    """Refuses a call of a submodule sharded by a nested FSDP instance, made outside that instance's forward.
+
+    fairscale gathers an instance's parameters in that instance's forward only. A step that reaches a submodule of a
+    wrapped child without calling the child (``self.model.encode(x)``, a method; ``self.model.stem(x)``) computed with
+    1-D shards (``mat2 must be a matrix``) or, flattened, with no values at all. A forward pre-hook on each module
+    that owns such parameters names the call, the instance and the fix before anything is computed. The hooks are
+    removed after the first optimizer step (a step's calls are its code: the first one has made them all).
+    """
+
+    def __init__(self, root: FullyShardedDataParallel, wrapped_by: str) -> None:
+        self._handles: list[Any] = []
+        self._wrapped_by = wrapped_by
+        nearest: dict[int, tuple[str, FullyShardedDataParallel]] = {}
+        for prefix, instance in fsdp_instances(root):  # outer before inner: the innermost instance wins
+            if instance is root:
+                continue
+            for module in instance.modules():
+                nearest[id(module)] = (prefix, instance)
+        if not nearest:
+            return
+        for path, module in root.named_modules():
+            found = nearest.get(id(module))
+            if found is None or isinstance(module, (FullyShardedDataParallel, FlattenParamsWrapper)):
+                continue
+            owns = bool(module._parameters) or any(
+                isinstance(param, FlatParameter) and any(owner is module for _, owner, _ in param._param_infos)
+                for param in found[1].params
+            )
+            if owns or any(isinstance(value, NotGatheredParameter) for value in vars(module).values()):
+                hook = partial(self._require_gathered, canonical_name(path), found[0], found[1])
+                self._handles.append(module.register_forward_pre_hook(hook))
+
+    def _require_gathered(
+        self, name: str, unit_name: str, instance: FullyShardedDataParallel, module: Module, args: Any
+    ) -> None:
+        if instance.training_state.name in _GATHERED_STATES:
+            return
+        raise UnitBypassedError(
+            f"{name!r} ran outside the forward of {unit_name!r}, the FSDP unit that shards its parameters"
+            f" ({self._wrapped_by} wrapped it): fairscale gathers a unit's parameters in its own"
+            f" forward only, and this call reaches {name!r} without calling {unit_name!r} (through one of its methods,"
+            f" or directly). Call {unit_name!r} itself (its forward), or wrap the root only (auto_wrap_min_params=None,"
+            " nothing marked with fairscale.nn.wrap): every call in a step then sees full parameters."
+        )
+
+    def remove(self) -> None:
+        """Removes the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
 def unit_view(unit: FlatUnit) -> FairScaleUnitView:
     """What the full-gradients context needs of a unit: where its original parameters live on their modules."""
     param = unit.param
