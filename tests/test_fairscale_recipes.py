@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_strategies import FairScaleFSDPStrategy
-from tests.fuzz.recipes import Manual, ModelSpec, Recipe
+from tests.fuzz.recipes import Automatic, Manual, ModelSpec, Recipe
 from tests.fuzz.runner import STRATEGIES, Fuzzer
 from tests.helpers import assert_same_weights, fit
 from tests.test_recipes_steps import GAN
@@ -239,3 +239,48 @@ def test_a_parameter_used_in_some_batches_only_is_refused_at_the_first_step_with
     # The workers' error, as the fork launcher raises it in the main process.
     with pytest.raises(Exception, match=r"flatten_parameters=False.*'extra.weight' \(no gradient"):
         fit(FairScaleFSDPStrategy(start_method="fork"), model, max_epochs=1)
+
+
+def test_clipping_in_a_two_optimizer_manual_step_takes_that_optimizers_gradients_only(fairscale_fuzzer: Fuzzer) -> None:
+    # The root's clip_grad_norm_ put every gradient the root held into the norm, the other optimizer's too (left by
+    # this step's backward pass): under ddp Lightning clips the stepped optimizer's parameters only.
+    (verdict,) = fairscale_fuzzer.run(Recipe(optimization=Manual(kind="split", clip=True))).verdicts
+    assert verdict.verdict == "equal", verdict.detail
+
+
+def test_a_step_that_reaches_a_wrapped_submodule_around_its_forward_is_refused_and_the_named_fix_trains(
+    fairscale_fuzzer: Fuzzer,
+) -> None:
+    # auto_wrap_min_params=300 wraps `model`; the step calls `self.model.compose(x)` (a method), whose `self.stem(x)`
+    # ran with stem's 1-D shard ("mat2 must be a matrix", raised in torch) or, flattened, with no values at all.
+    def recipe(auto_wrap_min_params: int | None) -> Recipe:
+        options = (("flatten_parameters", False), ("auto_wrap_min_params", auto_wrap_min_params))
+        return Recipe(
+            model=ModelSpec(tied=True),
+            call="submodules",
+            optimization=Manual(kind="one"),
+            options=(("fsdp_fairscale", options),),
+        )
+
+    (refused,) = fairscale_fuzzer.run(recipe(300)).verdicts
+    assert refused.verdict == "refused", refused.detail
+    assert "'model.stem' ran outside the forward of 'model'" in refused.detail
+    assert "auto_wrap_min_params=None" in refused.detail
+    (fixed,) = fairscale_fuzzer.run(recipe(None)).verdicts
+    assert fixed.verdict == "equal", fixed.detail
+
+
+def test_with_move_grads_to_cpu_a_parameter_without_gradient_is_left_alone_as_under_ddp(
+    fairscale_fuzzer: Fuzzer,
+) -> None:
+    # fairscale handed every parameter its CPU gradient buffer after a synchronised backward pass, the uncalled
+    # layer's zeros too: AdamW's weight decay moved it.
+    options = (("flatten_parameters", False), ("move_grads_to_cpu", True))
+    recipe = Recipe(
+        model=ModelSpec(uncalled=True),
+        optimization=Automatic(accumulate=2),
+        optimizer="adamw_no_decay",
+        options=(("fsdp_fairscale", options),),
+    )
+    (verdict,) = fairscale_fuzzer.run(recipe).verdicts
+    assert verdict.verdict == "equal", verdict.detail

@@ -148,6 +148,9 @@ def _flatten_by(param_class: ParamClass) -> Iterator[None]:
         _ClassifiedFlattenParamsWrapper.param_class = by_requires_grad
 
 
+_REDUCED = "_lightning_strategies_reduced"
+
+
 class ClassifiedFSDP(FullyShardedDataParallel):
     """A ``FullyShardedDataParallel`` that flattens each class of parameters into a flat parameter of its own.
 
@@ -189,6 +192,16 @@ class ClassifiedFSDP(FullyShardedDataParallel):
         for instance in instances:
             instance._lazy_init()  # an instance whose module was never called has no gathering buffers to free yet
             instance._finalizing = True
+        # With move_grads_to_cpu fairscale gives every parameter its CPU gradient buffer as .grad after a synchronised
+        # backward pass, one that got no gradient in it too (zeros, or the last step's values): weight decay and
+        # momentum then moved it where ddp leaves it alone. Such a parameter keeps the .grad it had before the pass.
+        synced = self._require_backward_grad_sync
+        before = [
+            (param, param.grad)
+            for instance in instances
+            for param in instance.params
+            if synced and param.requires_grad and hasattr(param, "_cpu_grad")
+        ]
         if self._require_backward_grad_sync:
             # fairscale reshards every instance after a synchronised backward pass except the root, whose parameters
             # the pass may have gathered again after their post-backward hook had resharded them (above), and whose
@@ -201,6 +214,13 @@ class ClassifiedFSDP(FullyShardedDataParallel):
         finally:
             for instance in instances:
                 instance._finalizing = False
+        for param, grad in before:
+            if not vars(param).pop(_REDUCED, False):
+                param.grad = grad
+
+    def _post_reduction_hook(self, param: Parameter, reduced_grad: Tensor) -> None:
+        vars(param)[_REDUCED] = True  # this backward pass reduced a gradient for it
+        super()._post_reduction_hook(param, reduced_grad)
 
 
 class WrapRequests:
