@@ -236,6 +236,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._state_key_order: list[str] = []
         # Per original parameter of a shared flat parameter: 1 had a gradient at a step, 2 had none at a step.
         self._gradient_history: dict[str, int] = {}
+        self._gradients_checked = False  # whether the fit's first optimizer step was checked
 
     @classmethod
     @override
@@ -327,6 +328,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         names_before = parameter_names(module)
         self._layouts = {}
         self._gradient_history = {}
+        self._gradients_checked = False
         self.setup_optimizers(trainer)  # the user's optimizers, over the parameters as configure_optimizers saw them
         refuse_unsupported_optimizers(self.strategy_name, self.optimizers, module, _REFUSED_OPTIMIZER_NEEDS)
         group_of = {
@@ -489,46 +491,58 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         same decision everywhere) combines them. Checked at every step: a parameter used in some batches only
         (a conditional branch) is the same case as one never used.
         """
-        layout = self._layouts.get(id(optimizer))
-        if layout is None:
+        if id(optimizer) not in self._layouts:
             return
+        # At the fit's first step every optimizer's parameters that hold gradients are judged, so that a refusal comes
+        # before any optimizer stepped (a two-optimizer step gives both networks gradients in its first pass); later,
+        # each optimizer's own parameters before its step.
+        first = not self._gradients_checked
+        self._gradients_checked = True
+        judged = [candidate for candidate in self.optimizers if first or candidate is optimizer]
         tracked = [
-            (unit, group)
-            for group, units in zip(optimizer.param_groups, layout.group_units, strict=True)
+            (candidate, unit, group)
+            for candidate in judged
+            if id(candidate) in self._layouts
+            for group, units in zip(candidate.param_groups, self._layouts[id(candidate)].group_units, strict=True)
             for unit in units
             if isinstance(unit.param, FlatParameter) and len(unit.names) > 1
         ]
         if not tracked:  # decided by the wrapping alone: the same on every rank
             return
-        flags = [flag for unit, _ in tracked for flag in (gradient_arrivals(unit.param) or [False] * len(unit.names))]
+        flags = [
+            flag for _, unit, _ in tracked for flag in (gradient_arrivals(unit.param) or [False] * len(unit.names))
+        ]
         arrived = torch.tensor(flags, dtype=torch.float32, device=self.root_device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(arrived)
         combined = (arrived > 0).tolist()
         problems: list[str] = []
         position = 0
-        for unit, group in tracked:
+        for candidate, unit, group in tracked:
             got = combined[position : position + len(unit.names)]
             position += len(unit.names)
+            stepped = candidate is optimizer  # the others' history is written at their own steps
             if unit.param.grad is None or not unit.param.requires_grad or all(got):
-                if unit.param.grad is not None:
+                if unit.param.grad is not None and stepped:
                     for name in unit.names:
                         self._gradient_history[name] = self._gradient_history.get(name, 0) | 1
                 continue
             for name, has_gradient in zip(unit.names, got, strict=True):
                 history = self._gradient_history.get(name, 0)
                 if has_gradient:
-                    if history & 2 and _counts_steps(optimizer, group):
+                    if history & 2 and _counts_steps(candidate, group):
                         problems.append(
-                            f"{name!r} (gets a gradient after steps without one: {type(optimizer).__name__} counted"
+                            f"{name!r} (gets a gradient after steps without one: {type(candidate).__name__} counted"
                             " those steps for it, ddp does not)"
                         )
-                    self._gradient_history[name] = history | 1
+                    if stepped:
+                        self._gradient_history[name] = history | 1
                     continue
-                why = _moves_without_gradient(optimizer, group, had_gradient=bool(history & 1))
+                why = _moves_without_gradient(candidate, group, had_gradient=bool(history & 1))
                 if why is not None:
                     problems.append(f"{name!r} (no gradient; {why} would move it)")
-                self._gradient_history[name] = history | 2
+                if stepped:
+                    self._gradient_history[name] = history | 2
         if problems:
             shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
             raise RuntimeError(
