@@ -53,7 +53,7 @@ def fuzzer(tmp_path_factory: pytest.TempPathFactory) -> Fuzzer:
     )  # refused when fit starts, not at the first backward pass
 )
 @example(recipe=Recipe(checkpoint=Checkpoint("fsdp2", "sharded", "fsdp_fairscale"), precision="bf16-mixed"))
-# fsdp_fairscale: an uncalled layer flattened with called ones (refused before weight decay moves it)
+# fsdp_fairscale: weight decay moved an uncalled layer flattened with called ones
 @example(recipe=Recipe(model=ModelSpec(uncalled=True), optimizer="sgd"))
 @example(  # fsdp_fairscale: a method of an auto-wrapped child reaches its layers outside its forward (refused)
     recipe=Recipe(

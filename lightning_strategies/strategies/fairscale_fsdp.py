@@ -483,8 +483,9 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         super()._after_closure(model, optimizer)
 
     def _refuse_gradientless_flat_parameters(self, optimizer: Optimizer) -> None:
-        """Before a step: raises on every rank if a parameter that shares a flat parameter got no gradient (on any
-        rank) and the step would move it, or would move it otherwise than ddp later (see ``_ZERO_GRADIENT_INERT``).
+        """Before a step: a parameter that shares a flat parameter and got no gradient (on any rank) is left alone as
+        under ddp when it never had one (:meth:`_keep_untouched`); every rank raises if it had one and the step would
+        move it (momentum), or if a step-counting optimizer steps it after steps it skipped (see ``_STEP_COUNT_FREE``).
 
         Hooks on the module's parameter views record on each rank which parameters a gradient reached; one
         all-reduce of those flags per step (every rank, for every optimizer that steps shared flat parameters: the
@@ -517,6 +518,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             torch.distributed.all_reduce(arrived)
         combined = (arrived > 0).tolist()
         problems: list[str] = []
+        untouched: list[tuple[FlatUnit, int]] = []
         position = 0
         for candidate, unit, group in tracked:
             got = combined[position : position + len(unit.names)]
@@ -539,18 +541,61 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
                         self._gradient_history[name] = history | 1
                     continue
                 why = _moves_without_gradient(candidate, group, had_gradient=bool(history & 1))
-                if why is not None:
+                if why is not None and not history & 1:
+                    if stepped:  # never had a gradient: put back what the step changes (see _keep_untouched)
+                        untouched.append((unit, unit.names.index(name)))
+                elif why is not None:
                     problems.append(f"{name!r} (no gradient; {why} would move it)")
                 if stepped:
                     self._gradient_history[name] = history | 2
         if problems:
             shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
             raise RuntimeError(
-                "fsdp_fairscale with flattened parameters cannot train parameters that get no gradient in a step"
-                " while others flattened with them do (pass flatten_parameters=False to FairScaleFSDPStrategy, or"
-                f" give every parameter a gradient in each step): {shown}. fairscale gives them a zero gradient slice"
-                " where ddp gives them none and leaves them alone; this optimizer step was not taken."
+                "fsdp_fairscale with flattened parameters cannot train parameters that had gradients and get none in"
+                " a step while others flattened with them do (pass flatten_parameters=False to FairScaleFSDPStrategy,"
+                f" or give every parameter a gradient in each step): {shown}. fairscale gives them a zero gradient"
+                " slice where ddp gives them none and leaves them alone; this optimizer step was not taken."
             )
+        if untouched:
+            self._keep_untouched(optimizer, untouched)
+
+    @staticmethod
+    def _keep_untouched(optimizer: Optimizer, untouched: list[tuple[FlatUnit, int]]) -> None:
+        """Around this step of ``optimizer``: parameters that never had a gradient end it as they began, as under ddp.
+
+        Each is a slice of a flat parameter whose gradient slice is zero; the step (weight decay) would move it and
+        write its optimizer state. This rank's part of each slice is copied before the step and written back after it
+        (state that the step created is zeroed there: ddp has none). Exact while the parameter gets no gradient;
+        Adam's step count, shared by the flat parameter, is refused once it does (``_counts_steps``).
+        """
+        saved: list[tuple[Parameter, Tensor, slice, Tensor, dict[str, Tensor]]] = []
+        for unit, index in untouched:
+            shard = unit.local_shard
+            start = unit.instance.rank * shard.numel()
+            offset = sum(shape.numel() for shape in unit.shapes[:index])
+            begin = max(offset, start) - start
+            end = min(offset + unit.shapes[index].numel(), start + shard.numel()) - start
+            if begin >= end:
+                continue  # another rank holds it
+            part = slice(begin, end)
+            state = {
+                key: value[part].clone()
+                for key, value in optimizer.state.get(unit.param, {}).items()
+                if isinstance(value, Tensor) and value.shape == shard.shape
+            }
+            saved.append((unit.param, shard, part, shard[part].clone(), state))
+        if not saved:
+            return
+
+        def write_back(stepped: Optimizer, args: Any, kwargs: Any) -> None:
+            handle.remove()
+            for param, shard, part, values, state in saved:
+                shard[part].copy_(values)
+                for key, value in stepped.state.get(param, {}).items():
+                    if isinstance(value, Tensor) and value.shape == shard.shape:
+                        value[part].copy_(state[key]) if key in state else value[part].zero_()
+
+        handle = optimizer.register_step_post_hook(write_back)
 
     def _unshard_into_module(self) -> None:
         """Gives the LightningModule back its own full parameters and submodules, as before setup.
