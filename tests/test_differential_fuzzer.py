@@ -53,6 +53,26 @@ def fuzzer(tmp_path_factory: pytest.TempPathFactory) -> Fuzzer:
     )  # refused when fit starts, not at the first backward pass
 )
 @example(recipe=Recipe(checkpoint=Checkpoint("fsdp2", "sharded", "fsdp_fairscale"), precision="bf16-mixed"))
+# fsdp_fairscale: weight decay moved an uncalled layer flattened with called ones
+@example(recipe=Recipe(model=ModelSpec(uncalled=True), optimizer="sgd"))
+@example(  # fsdp_fairscale: a method of an auto-wrapped child reaches its layers outside its forward (refused)
+    recipe=Recipe(
+        model=ModelSpec(tied=True),
+        call="submodules",
+        optimization=Manual(kind="one"),
+        options=(("fsdp_fairscale", (("flatten_parameters", False), ("auto_wrap_min_params", 300))),),
+    )
+)
+@example(recipe=Recipe(optimization=Manual(kind="split", clip=True)))  # fsdp_fairscale clipped both optimizers' grads
+@example(  # fsdp_fairscale with move_grads_to_cpu: an uncalled layer got a zero gradient
+    recipe=Recipe(
+        model=ModelSpec(uncalled=True),
+        optimization=Automatic(accumulate=2),
+        optimizer="adamw_no_decay",
+        options=(("fsdp_fairscale", (("flatten_parameters", False), ("move_grads_to_cpu", True))),),
+    )
+)
+@example(recipe=Recipe(model=ModelSpec(batchnorm=True), optimization=Automatic(clip="norm")))  # a bias before BN
 @FUZZ
 @given(recipe=recipes())
 @pytest.mark.timeout(900)

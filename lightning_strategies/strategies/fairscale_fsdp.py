@@ -72,10 +72,12 @@ from .base import DirectReferenceStrategy, StartMethod
 from .fairscale_wrap import (
     ClassifiedFSDP,
     ParamClass,
+    UnitCallGuard,
     ViewGuard,
     WrapRequests,
     by_requires_grad,
     forget_stale_fairscale_groups,
+    gradient_arrivals,
     gradients_kept_as_ddp,
     require_ties_kept,
     tie_safe_policy,
@@ -102,6 +104,47 @@ _REFUSED_OPTIMIZER_NEEDS = {
     ),
     OptimizerNeed.SPARSE_GRADIENTS: "fairscale FSDP flattens and shards gradients as dense tensors",
 }
+
+# A flat parameter's gradient is one tensor: an original parameter that got no gradient in a step has a zero slice in
+# it where ddp leaves its gradient None (and the optimizer skips it). Which optimizers then still step it as ddp does:
+# - without weight decay, every update of these is proportional to the gradients the parameter had so far, so a
+#   parameter that never had one does not move;
+_ZERO_GRADIENT_INERT = frozenset(
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.RMSprop,
+        torch.optim.Adagrad,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.Adadelta,
+        torch.optim.Rprop,
+    }
+)
+# - these do not count the steps a parameter took part in (momentum buffers and sums start from zero either way), so a
+#   parameter that skipped steps moves as under ddp once it gets gradients (Adam's bias correction counts every step
+#   of the flat parameter instead);
+_STEP_COUNT_FREE = frozenset({torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad})
+
+
+def _moves_without_gradient(optimizer: Optimizer, group: Mapping[str, Any], had_gradient: bool) -> str | None:
+    """Why a zero gradient slice moves a parameter (``None``: it does not), for a parameter of ``group``."""
+    kind = type(optimizer)
+    if group.get("weight_decay", 0):
+        return f"weight_decay={group['weight_decay']}"
+    if kind not in _ZERO_GRADIENT_INERT:
+        return f"{kind.__name__} (not known to leave a parameter with zero gradients alone)"
+    if had_gradient and not (
+        kind is torch.optim.Adagrad or (kind in (torch.optim.SGD, torch.optim.RMSprop) and not group.get("momentum"))
+    ):
+        return "the momentum or running averages of its earlier gradients"
+    return None
+
+
+def _counts_steps(optimizer: Optimizer, group: Mapping[str, Any]) -> bool:
+    return type(optimizer) not in _STEP_COUNT_FREE or bool(group.get("lr_decay", 0))
 
 
 class FairScaleFSDPStrategy(DirectReferenceStrategy):
@@ -188,12 +231,16 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._aliases: dict[str, str] = {}  # tied parameters' other names -> the name that holds them
         self._wrap_requests = WrapRequests()
         self._view_guard: ViewGuard | None = None
+        self._unit_guard: UnitCallGuard | None = None
         self._layouts: dict[int, OptimizerLayout] = {}
         self._loaded_sharded = False
         self._sharded_source = "the rank file"
         self._routing: SubmoduleCallRouting | None = None
         self._original_children: list[tuple[Module, str, Module]] = []
         self._state_key_order: list[str] = []
+        # Per original parameter of a shared flat parameter: 1 had a gradient at a step, 2 had none at a step.
+        self._gradient_history: dict[str, int] = {}
+        self._gradients_checked = False  # whether the fit's first optimizer step was checked
 
     @classmethod
     @override
@@ -266,6 +313,12 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._aliases = tied_aliases(root)
         self._view_guard = ViewGuard(root)
         self._view_guard.guard()
+        if self._unit_guard is not None:
+            self._unit_guard.remove()
+        wrapped_by = (
+            "fairscale.nn.wrap" if user_wrapped or requested else f"auto_wrap_min_params={self._auto_wrap_min_params}"
+        )
+        self._unit_guard = UnitCallGuard(root, wrapped_by)
         return root
 
     @override
@@ -278,6 +331,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         module = self.require_lightning_module()
         names_before = parameter_names(module)
         self._layouts = {}
+        self._gradient_history = {}
+        self._gradients_checked = False
         self.setup_optimizers(trainer)  # the user's optimizers, over the parameters as configure_optimizers saw them
         refuse_unsupported_optimizers(self.strategy_name, self.optimizers, module, _REFUSED_OPTIMIZER_NEEDS)
         group_of = {
@@ -334,8 +389,23 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        # Each rank holds a shard of every gradient: the root computes the norm across ranks.
-        self._root().clip_grad_norm_(clip_val)
+        # Each rank holds a shard of every gradient: the norm is summed across ranks. Over this optimizer's parameters
+        # only, as Lightning clips under ddp: the root's clip_grad_norm_ took every gradient the root holds (another
+        # optimizer's, left by a backward pass of a two-optimizer step) into the norm.
+        # (Manual steps pass a LightningOptimizer.)
+        layout = self._layouts.get(id(getattr(optimizer, "_optimizer", optimizer)))
+        if layout is None:
+            self._root().clip_grad_norm_(clip_val)
+            return
+        grads = [unit.param.grad for unit in layout.flat_units if unit.param.grad is not None]
+        squares = torch.zeros((), dtype=torch.float32, device=self.root_device)
+        for grad in grads:
+            squares += grad.detach().float().pow(2).sum().to(self.root_device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(squares, group=self._root().process_group)
+        coefficient = torch.clamp(float(clip_val) / (squares.sqrt() + 1e-6), max=1.0)
+        for grad in grads:
+            grad.detach().mul_(coefficient.to(grad.device, grad.dtype))
 
     @contextmanager
     @override
@@ -426,6 +496,129 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         with self._guarding_views(), full_fairscale_parameters([unit_view(unit) for unit in self._units]):
             yield None
 
+    @override
+    def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
+        self._refuse_gradientless_flat_parameters(optimizer)
+        if self._unit_guard is not None:  # the first step made every call the steps make (see UnitCallGuard)
+            self._unit_guard.remove()
+            self._unit_guard = None
+        super()._after_closure(model, optimizer)
+
+    def _refuse_gradientless_flat_parameters(self, optimizer: Optimizer) -> None:
+        """Before a step: a parameter that shares a flat parameter and got no gradient (on any rank) is left alone as
+        under ddp when it never had one (:meth:`_keep_untouched`); every rank raises if it had one and the step would
+        move it (momentum), or if a step-counting optimizer steps it after steps it skipped (see ``_STEP_COUNT_FREE``).
+
+        Hooks on the module's parameter views record on each rank which parameters a gradient reached; one
+        all-reduce of those flags per step (every rank, for every optimizer that steps shared flat parameters: the
+        same decision everywhere) combines them. Checked at every step: a parameter used in some batches only
+        (a conditional branch) is the same case as one never used.
+        """
+        if id(optimizer) not in self._layouts:
+            return
+        # At the fit's first step every optimizer's parameters that hold gradients are judged, so that a refusal comes
+        # before any optimizer stepped (a two-optimizer step gives both networks gradients in its first pass); later,
+        # each optimizer's own parameters before its step.
+        first = not self._gradients_checked
+        self._gradients_checked = True
+        judged = [candidate for candidate in self.optimizers if first or candidate is optimizer]
+        tracked = [
+            (candidate, unit, group)
+            for candidate in judged
+            if id(candidate) in self._layouts
+            for group, units in zip(candidate.param_groups, self._layouts[id(candidate)].group_units, strict=True)
+            for unit in units
+            if isinstance(unit.param, FlatParameter) and len(unit.names) > 1
+        ]
+        if not tracked:  # decided by the wrapping alone: the same on every rank
+            return
+        flags = [
+            flag for _, unit, _ in tracked for flag in (gradient_arrivals(unit.param) or [False] * len(unit.names))
+        ]
+        arrived = torch.tensor(flags, dtype=torch.float32, device=self.root_device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(arrived)
+        combined = (arrived > 0).tolist()
+        problems: list[str] = []
+        untouched: list[tuple[FlatUnit, int]] = []
+        position = 0
+        for candidate, unit, group in tracked:
+            got = combined[position : position + len(unit.names)]
+            position += len(unit.names)
+            stepped = candidate is optimizer  # the others' history is written at their own steps
+            if unit.param.grad is None or not unit.param.requires_grad or all(got):
+                if unit.param.grad is not None and stepped:
+                    for name in unit.names:
+                        self._gradient_history[name] = self._gradient_history.get(name, 0) | 1
+                continue
+            for name, has_gradient in zip(unit.names, got, strict=True):
+                history = self._gradient_history.get(name, 0)
+                if has_gradient:
+                    if history & 2 and _counts_steps(candidate, group):
+                        problems.append(
+                            f"{name!r} (gets a gradient after steps without one: {type(candidate).__name__} counted"
+                            " those steps for it, ddp does not)"
+                        )
+                    if stepped:
+                        self._gradient_history[name] = history | 1
+                    continue
+                why = _moves_without_gradient(candidate, group, had_gradient=bool(history & 1))
+                if why is not None and not history & 1:
+                    if stepped:  # never had a gradient: put back what the step changes (see _keep_untouched)
+                        untouched.append((unit, unit.names.index(name)))
+                elif why is not None:
+                    problems.append(f"{name!r} (no gradient; {why} would move it)")
+                if stepped:
+                    self._gradient_history[name] = history | 2
+        if problems:
+            shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+            raise RuntimeError(
+                "fsdp_fairscale with flattened parameters cannot train parameters that had gradients and get none in"
+                " a step while others flattened with them do (pass flatten_parameters=False to FairScaleFSDPStrategy,"
+                f" or give every parameter a gradient in each step): {shown}. fairscale gives them a zero gradient"
+                " slice where ddp gives them none and leaves them alone; this optimizer step was not taken."
+            )
+        if untouched:
+            self._keep_untouched(optimizer, untouched)
+
+    @staticmethod
+    def _keep_untouched(optimizer: Optimizer, untouched: list[tuple[FlatUnit, int]]) -> None:
+        """Around this step of ``optimizer``: parameters that never had a gradient end it as they began, as under ddp.
+
+        Each is a slice of a flat parameter whose gradient slice is zero; the step (weight decay) would move it and
+        write its optimizer state. This rank's part of each slice is copied before the step and written back after it
+        (state that the step created is zeroed there: ddp has none). Exact while the parameter gets no gradient;
+        Adam's step count, shared by the flat parameter, is refused once it does (``_counts_steps``).
+        """
+        saved: list[tuple[Parameter, Tensor, slice, Tensor, dict[str, Tensor]]] = []
+        for unit, index in untouched:
+            shard = unit.local_shard
+            start = unit.instance.rank * shard.numel()
+            offset = sum(shape.numel() for shape in unit.shapes[:index])
+            begin = max(offset, start) - start
+            end = min(offset + unit.shapes[index].numel(), start + shard.numel()) - start
+            if begin >= end:
+                continue  # another rank holds it
+            part = slice(begin, end)
+            state = {
+                key: value[part].clone()
+                for key, value in optimizer.state.get(unit.param, {}).items()
+                if isinstance(value, Tensor) and value.shape == shard.shape
+            }
+            saved.append((unit.param, shard, part, shard[part].clone(), state))
+        if not saved:
+            return
+
+        def write_back(stepped: Optimizer, args: Any, kwargs: Any) -> None:
+            handle.remove()
+            for param, shard, part, values, state in saved:
+                shard[part].copy_(values)
+                for key, value in stepped.state.get(param, {}).items():
+                    if isinstance(value, Tensor) and value.shape == shard.shape:
+                        value[part].copy_(state[key]) if key in state else value[part].zero_()
+
+        handle = optimizer.register_step_post_hook(write_back)
+
     def _unshard_into_module(self) -> None:
         """Gives the LightningModule back its own full parameters and submodules, as before setup.
 
@@ -474,6 +667,9 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         # The layouts stay until the next setup: after an in-place fit the optimizers still hold flat shards, and
         # `trainer.save_checkpoint` after `fit` gathers them into canonical state through these layouts.
         self._units, self._original_children, self._view_guard = [], [], None
+        if self._unit_guard is not None:
+            self._unit_guard.remove()
+            self._unit_guard = None
         self._routing = None  # it holds the root wrapper, which the run no longer needs
         if self._cpu_patched:
             fairscale_cpu.uninstall()

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -61,6 +62,73 @@ class _ClassifiedFlattenParamsWrapper(FlattenParamsWrapper):
             param_list = list(classes.values())
         super().__init__(module, param_list=param_list, flat_param_names=flat_param_names)
 
+    def _unflatten_params_as_views(self) -> None:
+        super()._unflatten_params_as_views()
+        if torch.is_grad_enabled():
+            for flat in self.flat_params:
+                _record_gradient_arrivals(flat)
+
+
+_ARRIVED = "_lightning_strategies_arrived"
+
+
+def _arrive(arrived: list[bool], index: int, grad: Tensor) -> None:
+    arrived[index] = True
+
+
+def _arrive_at_split(arrived: list[bool], grad_inputs: Any, grad_outputs: Any) -> None:
+    for index, grad in enumerate(grad_outputs):
+        if grad is not None:  # autograd passes None for a split output that no gradient reached
+            arrived[index] = True
+
+
+def _record_gradient_arrivals(flat: Parameter) -> None:
+    """Hooks the forward pass's views of ``flat``: each original parameter a gradient reaches is marked as having
+    received one (reset by :func:`forget_gradient_arrivals` before a backward pass that starts from no gradient).
+
+    Only flat parameters that hold several original parameters are tracked: a zero slice of a flat gradient cannot
+    tell "no gradient" (which ddp leaves alone) from "a zero gradient" (which weight decay still moves). The views are
+    ``flat.split(numels)`` reshaped: one hook on that split's backward node sees which of its outputs got a gradient
+    (one hook per flat parameter and forward pass); where the graph looks otherwise, one hook per view.
+    """
+    infos: list[tuple[str, Module, str]] = list(getattr(flat, "_param_infos", ()))
+    if not flat.requires_grad or len(infos) < 2:
+        return
+    arrived: list[bool] = vars(flat).setdefault(_ARRIVED, [False] * len(infos))
+    views = [getattr(owner, name, None) for _, owner, name in (infos[0], infos[-1])]
+    nodes = [_split_node(view) for view in views]
+    if nodes[0] is not None and nodes[0] is nodes[1]:
+        nodes[0].register_hook(partial(_arrive_at_split, arrived))
+        return
+    for index, (_, owner, name) in enumerate(infos):
+        view = getattr(owner, name, None)
+        if isinstance(view, Tensor) and view.requires_grad and view.grad_fn is not None:
+            view.register_hook(partial(_arrive, arrived, index))  # type: ignore[no-untyped-call]
+
+
+def _split_node(view: Any) -> Any:
+    """The backward node of the split a parameter view was cut from, or ``None``."""
+    node = getattr(view, "grad_fn", None)
+    if node is None or type(node).__name__ != "ViewBackward0" or not node.next_functions:
+        return None
+    split = node.next_functions[0][0]
+    return split if split is not None and type(split).__name__.startswith("SplitWithSizesBackward") else None
+
+
+def gradient_arrivals(flat: Parameter) -> list[bool] | None:
+    """For a tracked flat parameter, whether each original parameter it holds received a gradient on this rank since
+    its gradient was last ``None`` (``None``: not tracked: one original parameter, or never in a forward pass)."""
+    arrived: list[bool] | None = vars(flat).get(_ARRIVED)
+    return arrived
+
+
+def forget_gradient_arrivals(params: Iterator[Parameter] | list[Parameter]) -> None:
+    """Before a backward pass: a flat parameter whose gradient is ``None`` (zeroed) starts with no arrivals again."""
+    for param in params:
+        arrived: list[bool] | None = vars(param).get(_ARRIVED)
+        if arrived is not None and param.grad is None:
+            arrived[:] = [False] * len(arrived)
+
 
 @contextmanager
 def _flatten_by(param_class: ParamClass) -> Iterator[None]:
@@ -79,6 +147,9 @@ def _flatten_by(param_class: ParamClass) -> Iterator[None]:
     finally:
         namespace["FlattenParamsWrapper"] = original
         _ClassifiedFlattenParamsWrapper.param_class = by_requires_grad
+
+
+_REDUCED = "_lightning_strategies_reduced"
 
 
 class ClassifiedFSDP(FullyShardedDataParallel):
@@ -122,6 +193,16 @@ class ClassifiedFSDP(FullyShardedDataParallel):
         for instance in instances:
             instance._lazy_init()  # an instance whose module was never called has no gathering buffers to free yet
             instance._finalizing = True
+        # With move_grads_to_cpu fairscale gives every parameter its CPU gradient buffer as .grad after a synchronised
+        # backward pass, one that got no gradient in it too (zeros, or the last step's values): weight decay and
+        # momentum then moved it where ddp leaves it alone. Such a parameter keeps the .grad it had before the pass.
+        synced = self._require_backward_grad_sync
+        before = [
+            (param, param.grad)
+            for instance in instances
+            for param in instance.params
+            if synced and param.requires_grad and hasattr(param, "_cpu_grad")
+        ]
         if self._require_backward_grad_sync:
             # fairscale reshards every instance after a synchronised backward pass except the root, whose parameters
             # the pass may have gathered again after their post-backward hook had resharded them (above), and whose
@@ -134,6 +215,13 @@ class ClassifiedFSDP(FullyShardedDataParallel):
         finally:
             for instance in instances:
                 instance._finalizing = False
+        for param, grad in before:
+            if not vars(param).pop(_REDUCED, False):
+                param.grad = grad
+
+    def _post_reduction_hook(self, param: Parameter, reduced_grad: Tensor) -> None:
+        vars(param)[_REDUCED] = True  # this backward pass reduced a gradient for it
+        super()._post_reduction_hook(param, reduced_grad)
 
 
 class WrapRequests:
@@ -294,6 +382,66 @@ class ViewGuard:
                 setattr(owner, name, placeholder)
 
 
+class UnitBypassedError(RuntimeError):
+    """A submodule sharded by a nested FSDP instance ran outside that instance's forward (parameters not gathered)."""
+
+
+_GATHERED_STATES = ("FORWARD", "BACKWARD_PRE", "SUMMON_FULL_PARAMS")
+
+
+class UnitCallGuard:
+    """Refuses a call of a submodule sharded by a nested FSDP instance, made outside that instance's forward.
+
+    fairscale gathers an instance's parameters in that instance's forward only. A step that reaches a submodule of a
+    wrapped child without calling the child (``self.model.encode(x)``, a method; ``self.model.stem(x)``) computed with
+    1-D shards (``mat2 must be a matrix``) or, flattened, with no values at all. A forward pre-hook on each module
+    that owns such parameters names the call, the instance and the fix before anything is computed. The hooks are
+    removed after the first optimizer step (a step's calls are its code: the first one has made them all).
+    """
+
+    def __init__(self, root: FullyShardedDataParallel, wrapped_by: str) -> None:
+        self._handles: list[Any] = []
+        self._wrapped_by = wrapped_by
+        nearest: dict[int, tuple[str, FullyShardedDataParallel]] = {}
+        for prefix, instance in fsdp_instances(root):  # outer before inner: the innermost instance wins
+            if instance is root:
+                continue
+            for module in instance.modules():
+                nearest[id(module)] = (prefix, instance)
+        if not nearest:
+            return
+        for path, module in root.named_modules():
+            found = nearest.get(id(module))
+            if found is None or isinstance(module, (FullyShardedDataParallel, FlattenParamsWrapper)):
+                continue
+            owns = bool(module._parameters) or any(
+                isinstance(param, FlatParameter) and any(owner is module for _, owner, _ in param._param_infos)
+                for param in found[1].params
+            )
+            if owns or any(isinstance(value, NotGatheredParameter) for value in vars(module).values()):
+                hook = partial(self._require_gathered, canonical_name(path), found[0], found[1])
+                self._handles.append(module.register_forward_pre_hook(hook))
+
+    def _require_gathered(
+        self, name: str, unit_name: str, instance: FullyShardedDataParallel, module: Module, args: Any
+    ) -> None:
+        if instance.training_state.name in _GATHERED_STATES:
+            return
+        raise UnitBypassedError(
+            f"{name!r} ran outside the forward of {unit_name!r}, the FSDP unit that shards its parameters"
+            f" ({self._wrapped_by} wrapped it): fairscale gathers a unit's parameters in its own"
+            f" forward only, and this call reaches {name!r} without calling {unit_name!r} (through one of its methods,"
+            f" or directly). Call {unit_name!r} itself (its forward), or wrap the root only (auto_wrap_min_params=None,"
+            " nothing marked with fairscale.nn.wrap): every call in a step then sees full parameters."
+        )
+
+    def remove(self) -> None:
+        """Removes the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
 def unit_view(unit: FlatUnit) -> FairScaleUnitView:
     """What the full-gradients context needs of a unit: where its original parameters live on their modules."""
     param = unit.param
@@ -349,6 +497,7 @@ def gradients_kept_as_ddp(root: FullyShardedDataParallel) -> Iterator[None]:
     gradient back after it.
     """
     params = [(instance, param) for _, instance in fsdp_instances(root) for param in instance.params]
+    forget_gradient_arrivals([param for _, param in params])
     synced_before = not getattr(root, "_lightning_strategies_unsynced", False)
     for _, param in params:
         if param.grad is None and getattr(param, "_saved_grad_shard", None) is not None:

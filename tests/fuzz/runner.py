@@ -4,11 +4,11 @@ Every run is a fork fit of two CPU processes in this process (about 0.3 s for th
 
 - ``equal``: the final state (weights, buffers, extra state) equals ``ddp``'s (fp32 within 1e-5, bf16-mixed within
   :data:`BF16_TOLERANCE`);
-- ``refused``: every rank raised the same error from this package's code before the first training batch (a
-  refusal at fit start; its message is recorded);
+- ``refused``: every rank raised the same error from this package's code before the first optimizer step changed
+  anything (a refusal at fit start, or in the first step before the optimizer stepped; its message is recorded);
 - ``different``: trained, and ended elsewhere than ``ddp`` (a silent difference);
-- ``crash``: an error that is not a refusal at fit start on every rank (raised inside torch, fairscale or
-  Lightning, on one rank only, or after training began);
+- ``crash``: an error that is not such a refusal on every rank (raised inside torch, fairscale or
+  Lightning, on one rank only, or after an optimizer step);
 - ``hang``: the run did not end within :data:`HANG_SECONDS` (its workers are killed).
 
 A recipe with a checkpoint also runs its first epoch under ``saved_by`` and resumes it under ``resumed_by``; the
@@ -100,7 +100,7 @@ class Run:
     hung: bool = False
 
     def refusal(self, world_size: int = 2) -> str | None:
-        """The refusal's message when every rank refused at fit start with the same error from our code."""
+        """The refusal's message when every rank refused with the same error from our code before an optimizer step."""
         if self.state is not None or self.hung or len(self.failures) != world_size:
             return None
         if any(failure.trained or not failure.raised_in_package for failure in self.failures):
@@ -158,7 +158,8 @@ class _RecordingTrainer(pl.Trainer):  # type: ignore[misc, name-defined]
                 "kind": type(exception).__name__,
                 "message": str(exception).strip().splitlines()[0][:400] if str(exception).strip() else "",
                 "raised_in_package": raiser.startswith(_LIBRARY),
-                "trained": bool(getattr(self, "_recipe_trained", False)),
+                # An optimizer step of this fit completed (not counting the steps of the checkpoint it resumed).
+                "trained": self.global_step > getattr(self, "_recipe_start_step", self.global_step),
             }
             (self.record_dir / f"failure-rank{self.global_rank}.json").write_text(json.dumps(failure))
             self._wait_for_peers()
@@ -175,8 +176,10 @@ class _RecordingTrainer(pl.Trainer):  # type: ignore[misc, name-defined]
 
 
 class _TrainingStarted(pl.Callback):  # type: ignore[misc, name-defined]
-    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
-        trainer._recipe_trained = True
+    """Records the optimizer steps done when training starts (a resumed fit starts from its checkpoint's)."""
+
+    def on_train_start(self, trainer: Any, *args: Any) -> None:
+        trainer._recipe_start_step = trainer.global_step
 
 
 def _free_port() -> int:
@@ -300,7 +303,7 @@ def _judge(strategy: str, run: Run, reference: dict[str, Any], tolerance: float)
         return Verdict(strategy, "refused", refusal)
     ranks = "; ".join(
         f"rank {f.rank}: {f.kind}: {f.message} ({'ours' if f.raised_in_package else 'raised outside the package'}"
-        f"{', after training began' if f.trained else ''})"
+        f"{', after an optimizer step' if f.trained else ''})"
         for f in run.failures
     )
     return Verdict(strategy, "crash", ranks or run.error)
