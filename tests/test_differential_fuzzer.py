@@ -1,4 +1,4 @@
-"""Every strategy trains each drawn recipe like upstream ``ddp``, or refuses it at fit start on every rank.
+"""Every strategy trains each drawn recipe like upstream ``ddp``, or refuses it on every rank before its first step.
 
 The recipes are drawn by :mod:`tests.fuzz.recipes` along every dimension users vary (module shape, how the step
 calls it, automatic or manual optimization, optimizer, scheduler, precision, each strategy's options, a checkpoint
@@ -76,7 +76,7 @@ def fuzzer(tmp_path_factory: pytest.TempPathFactory) -> Fuzzer:
 @FUZZ
 @given(recipe=recipes())
 @pytest.mark.timeout(900)
-def test_every_strategy_trains_each_drawn_recipe_like_ddp_or_refuses_it_at_fit_start(
+def test_every_strategy_trains_each_drawn_recipe_like_ddp_or_refuses_it_before_its_first_step(
     fuzzer: Fuzzer, recipe: Recipe
 ) -> None:
     report = fuzzer.run(recipe)
