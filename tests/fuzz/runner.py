@@ -21,7 +21,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import traceback
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tests.conftest import free_loopback_port
 from tests.flavour import ours, pl
 from tests.fuzz.recipes import EPOCHS, OURS, REFERENCE, SHARDED_FORMATS, Recipe, build_module
 
@@ -182,13 +182,6 @@ class _TrainingStarted(pl.Callback):  # type: ignore[misc, name-defined]
         trainer._recipe_start_step = trainer.global_step
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 @contextmanager
 def _watchdog(seconds: float) -> Iterator[threading.Event]:
     """Kills this process's worker processes if the block runs longer than ``seconds``; the event says it did."""
@@ -220,7 +213,7 @@ def fit_once(
     """One fork fit of the recipe's module; returns the main process's state after it, or the failures."""
     directory.mkdir(parents=True, exist_ok=True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_loopback_port())
     module = build_module(recipe)
     callbacks: list[Any] = [_TrainingStarted()]
     if save:
