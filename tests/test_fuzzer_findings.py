@@ -47,3 +47,15 @@ def test_ddp_sharded_refuses_manual_optimization_with_gradient_buckets_on_every_
 
     assert verdict.verdict == "refused", verdict
     assert "reduce_buffer_size=0" in verdict.detail
+
+
+@pytest.mark.parametrize("container", ["modulelist", "moduledict", "nested"])
+def test_fsdp_fairscale_auto_wrap_leaves_containers_without_forward_to_their_parent(
+    container: str, tmp_path: Path
+) -> None:
+    # As fsdp2 above; here fairscale's own policy already excludes ModuleList and ModuleDict (a pin, not a fix): the
+    # step indexes the container it built, and FSDP gathers only in a forward that a container never runs.
+    options = (("fsdp_fairscale", (("auto_wrap_min_params", 300),)),)
+    recipe = Recipe(model=ModelSpec(container=container), options=options)  # type: ignore[arg-type]
+
+    assert verdict_of("fsdp_fairscale", recipe, tmp_path).verdict == "equal"

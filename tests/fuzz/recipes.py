@@ -326,14 +326,16 @@ class Network(nn.Module):
         return output
 
     def _hidden_sequence(self) -> list[nn.Module]:
-        hidden = self.hidden
-        if isinstance(hidden, nn.Sequential):
+        # By the drawn container, not by isinstance: fsdp_fairscale's auto-wrapping puts a wrapper where a large
+        # Sequential was (users index containers by what they built, not by what they find).
+        hidden, container = self.hidden, self.spec.container
+        if container == "sequential":
             return [hidden]
-        if isinstance(hidden, nn.ModuleList):
-            return [hidden[0], nn.Tanh(), hidden[1]]
-        if "blocks" in hidden:
-            return list(hidden["blocks"])
-        return [hidden["first"], nn.Tanh(), hidden["second"]]
+        if container == "modulelist":
+            return [hidden[0], nn.Tanh(), hidden[1]]  # type: ignore[index]
+        if container == "nested":
+            return list(hidden["blocks"])  # type: ignore[index]
+        return [hidden["first"], nn.Tanh(), hidden["second"]]  # type: ignore[index]
 
     def forward(self, inputs: Tensor) -> Tensor:
         return self.compose(inputs)
