@@ -260,7 +260,7 @@ def test_a_step_that_uses_parameters_without_calling_their_module_fails_with_the
     # parameters without calling the module must say so, not fail inside a DTensor operator.
     strategy = FSDP2Strategy(start_method="fork", **options)
     with pytest.raises(
-        Exception, match=r"training_step computed with the LightningModule's parameters.*`self\(\.\.\.\)`"
+        Exception, match=r"training_step computed with parameters that are still sharded.*`self\(\.\.\.\)`"
     ):
         fit(strategy, new_model(cls=_StepUsingParametersWithoutCallingAModule), max_epochs=1)
 

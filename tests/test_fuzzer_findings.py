@@ -59,3 +59,23 @@ def test_fsdp_fairscale_auto_wrap_leaves_containers_without_forward_to_their_par
     recipe = Recipe(model=ModelSpec(container=container), options=options)  # type: ignore[arg-type]
 
     assert verdict_of("fsdp_fairscale", recipe, tmp_path).verdict == "equal"
+
+
+def test_fsdp2_refuses_a_step_that_bypasses_a_sharded_unit_naming_the_unit(tmp_path: Path) -> None:
+    # min_num_params=300 shards `model` (the network: its ModuleList is never sharded alone) on its own; the step calls
+    # its submodules from outside its forward, so their parameters stay sharded. The refusal said the step called
+    # no module at all.
+    model = ModelSpec(container="modulelist")
+    recipe = Recipe(model=model, call="submodules", options=(("fsdp2", (("min_num_params", 300),)),))
+
+    verdict = verdict_of("fsdp2", recipe, tmp_path)
+
+    assert verdict.verdict == "refused", verdict
+    assert "'model'" in verdict.detail and "self.model(x)" in verdict.detail
+
+
+def test_fsdp2_trains_the_same_step_when_it_calls_the_sharded_unit_as_the_refusal_says(tmp_path: Path) -> None:
+    model = ModelSpec(container="modulelist")
+    recipe = Recipe(model=model, call="model_attr", options=(("fsdp2", (("min_num_params", 300),)),))
+
+    assert verdict_of("fsdp2", recipe, tmp_path).verdict == "equal"

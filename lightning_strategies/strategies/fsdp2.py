@@ -340,11 +340,21 @@ class FSDP2Strategy(DirectReferenceStrategy):
         return output
 
     def _step_bypassed_the_module(self, method_name: str) -> str:
+        module = self.require_lightning_module()
+        units = [repr(name) for name, submodule in module.named_modules() if name and _is_sharded(submodule)]
+        named = ", ".join(units[:5]) + (" ..." if len(units) > 5 else "")
+        inner = (
+            f" The modules sharded on their own below the LightningModule ({named}) gather their parameters only in"
+            " their own forward: a step that calls a submodule or method of one of them (`self.model.encoder(x)`)"
+            " leaves them sharded. Call the sharded module itself (`self.model(x)`), or choose other units"
+            " (shard_module_classes, min_num_params, or fully_shard in configure_model)."
+            if units
+            else ""
+        )
         return (
-            f"{type(self).__name__}: {method_name} computed with the LightningModule's parameters without calling the"
-            " module or any of its submodules, so FSDP's hooks never ran: the parameters stay sharded. Call"
-            f" `self(...)` or the submodule (`self.encoder(x)`) in {method_name} instead of using its parameters"
-            " directly (`x @ self.encoder.weight`) or calling `forward` methods."
+            f"{type(self).__name__}: {method_name} computed with parameters that are still sharded.{inner} Parameters"
+            f" used directly (`x @ self.encoder.weight`): call their module (`self(...)`, `self.encoder(x)`) in"
+            f" {method_name} instead, not their `forward` methods."
         )
 
     def _shard_kwargs(self) -> dict[str, Any]:
