@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import multiprocessing
 import os
 import socket
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,14 @@ import lightning_strategies  # noqa: F401  (registers the strategy names)
 # its first parallel op). One thread in this process and in every worker: also the fastest on 2 cores.
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Writes ``value`` as JSON to ``path`` atomically: a rank stopped mid-write (the first rank to fail stops the
+    others) leaves no empty or half-written file for the test to read."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(value))
+    os.replace(partial, path)
 
 
 def free_loopback_port() -> int:

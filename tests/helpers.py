@@ -19,7 +19,7 @@ from lightning_strategies.checkpoint.consolidation import consolidate
 from lightning_strategies.checkpoint.optimizer_state import numbered_through_groups
 from lightning_strategies.checkpoint.sharded import open_sharded, sharded_directory
 from lightning_strategies.testing import ConformanceModel, SaveAfterRestore
-from tests.conftest import trainer_kwargs
+from tests.conftest import trainer_kwargs, write_json
 
 
 def new_model(
@@ -90,7 +90,7 @@ class RankRecorder(pl.Callback):
 
     def _record(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
         result = self.probe(trainer, module)
-        (self.directory / f"{self.hook}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
+        write_json(self.directory / f"{self.hook}-rank{trainer.global_rank}.json", result)
 
     def read(self, world_size: int = 2) -> list[Any]:
         return [json.loads((self.directory / f"{self.hook}-rank{rank}.json").read_text()) for rank in range(world_size)]
@@ -110,7 +110,7 @@ class GuardedShardedStrategy(ShardedDDPStrategy):
             super().load_model_state_dict(checkpoint, strict=strict)
         except Exception:
             unchanged = all(torch.equal(value, before[key]) for key, value in module.state_dict().items())
-            (self.directory / f"unchanged-rank{self.global_rank}.json").write_text(json.dumps(unchanged))
+            write_json(self.directory / f"unchanged-rank{self.global_rank}.json", unchanged)
             raise
 
     def read(self) -> list[bool]:
@@ -137,7 +137,7 @@ def guarded_strategy(cls: type[Strategy], directory: Path, **kwargs: Any) -> Str
             except Exception:
                 after = _local_weights(self)
                 unchanged = len(before) == len(after) and all(map(torch.equal, before, after))
-                (directory / f"unchanged-rank{self.global_rank}.json").write_text(json.dumps(unchanged))
+                write_json(directory / f"unchanged-rank{self.global_rank}.json", unchanged)
                 raise
 
     Guarded.__name__ = Guarded.__qualname__ = f"Guarded{cls.__name__}"
@@ -230,7 +230,7 @@ class LossRecorder(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             self.directory.mkdir(parents=True, exist_ok=True)
-            (self.directory / "losses.json").write_text(json.dumps(self.losses))
+            write_json(self.directory / "losses.json", self.losses)
 
 
 def assert_resume_continues_the_run(
@@ -300,7 +300,7 @@ class WarningRecorder(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self._catcher.__exit__(None, None, None)
         messages = [str(record.message) for record in self._records]
-        (self.directory / f"warnings-rank{trainer.global_rank}.json").write_text(json.dumps(messages))
+        write_json(self.directory / f"warnings-rank{trainer.global_rank}.json", messages)
 
     def read(self, world_size: int = 2) -> list[list[str]]:
         return [json.loads((self.directory / f"warnings-rank{rank}.json").read_text()) for rank in range(world_size)]

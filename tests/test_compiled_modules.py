@@ -213,6 +213,24 @@ def test_training_with_a_compiled_submodule_ends_where_ddp_ends(ddp_trained: Con
     assert_same_weights(ddp_trained, model, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def ddp_trained_accumulating() -> ConformanceModel:
+    model = new_model(cls=CompiledInInit)
+    fit(ddp(), model, max_epochs=2, accumulate_grad_batches=2)
+    return model
+
+
+@pytest.mark.parametrize("name", list(OWN_UNITS))
+def test_accumulating_gradients_with_a_compiled_submodule_ends_where_ddp_ends(
+    ddp_trained_accumulating: ConformanceModel, name: str
+) -> None:
+    # The second micro-batch's forward runs while the first one's gradients are held (and, under fairscale, while
+    # the full parameter is gathered next to a shard's gradient); dynamo recompiles after the first optimizer step.
+    model = new_model(cls=CompiledInInit)
+    fit(OWN_UNITS[name](), model, max_epochs=2, accumulate_grad_batches=2)
+    assert_same_weights(ddp_trained_accumulating, model, atol=1e-5)
+
+
 def test_inspect_names_the_orig_mod_keys_of_an_older_file_and_convert_removes_them(
     tmp_path: Path, saves: dict[str, Path]
 ) -> None:

@@ -453,19 +453,23 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         if method_name == "training_step" and not module.automatic_optimization and isinstance(wrapper, FSDP):
             return self._manual_optimization_step(module, wrapper, *args, **kwargs)
         if method_name == "training_step":  # backward still needs the views (activation checkpointing reads them)
-            return super()._run_step(method_name, *args, **kwargs)
+            with self._gradients_set_aside():  # back before Lightning's zero_grad and backward
+                return super()._run_step(method_name, *args, **kwargs)
         with self._guarding_views(), self._gradients_set_aside():
             return super()._run_step(method_name, *args, **kwargs)
 
     @contextmanager
     def _gradients_set_aside(self) -> Generator[None, None, None]:
-        """Takes the flat parameters' gradients off them for a step without backward and puts them back after.
+        """Takes the flat parameters' gradients off them for a step's forward and puts them back after.
 
         Between steps a flat parameter holds this rank's shard and the gradient of that shard; in forward its data is
         the full parameter while the gradient stays the shard's. ``torch.compile`` describes each parameter of a
         compiled submodule with its gradient, and fails on that one ("attempting to assign a gradient of size").
+        A gradient accumulated under ``no_sync`` is the full one: it fits the gathered parameter and stays.
         """
-        units = [unit for unit in self._units if unit.param.grad is not None]
+        units = [
+            unit for unit in self._units if unit.param.grad is not None and unit.param.grad.shape == unit.param.shape
+        ]
         gradients = [unit.param.grad for unit in units]
         for unit in units:
             unit.param.grad = None

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tests.conftest import free_loopback_port
+from tests.conftest import free_loopback_port, write_json
 from tests.flavour import ours, pl
 from tests.fuzz.recipes import EPOCHS, OURS, REFERENCE, SHARDED_FORMATS, Recipe, build_module
 
@@ -161,7 +161,7 @@ class _RecordingTrainer(pl.Trainer):  # type: ignore[misc, name-defined]
                 # An optimizer step of this fit completed (not counting the steps of the checkpoint it resumed).
                 "trained": self.global_step > getattr(self, "_recipe_start_step", self.global_step),
             }
-            (self.record_dir / f"failure-rank{self.global_rank}.json").write_text(json.dumps(failure))
+            write_json(self.record_dir / f"failure-rank{self.global_rank}.json", failure)
             self._wait_for_peers()
             raise
 
