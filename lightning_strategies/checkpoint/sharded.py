@@ -59,7 +59,7 @@ SHARDED_SAVE_KEY: Final = "sharded_save"
 INNER_WRAPPER_SEGMENTS = tuple(prefix.rstrip(".") for prefix in WRAPPER_PREFIXES if prefix.startswith("_"))
 _SAVING = ".saving-"
 
-ShardedFormat = Literal["fairscale FSDP local shards", "torch.distributed.checkpoint"]
+ShardedFormatName = Literal["fairscale FSDP local shards", "torch.distributed.checkpoint"]
 
 
 def new_save_id() -> str:
@@ -144,7 +144,7 @@ class ShardedCheckpoint:
     meta: dict[str, Any]
     metadata: CheckpointMetadata
     save_id: str | None
-    format: ShardedFormat
+    format: ShardedFormatName
     source: str
 
     @property
@@ -207,7 +207,7 @@ def open_sharded(path: Path) -> ShardedCheckpoint:
     block = _save_block(meta, f"{source}: {SHARDED_META_FILE}")
     if block["world_size"] != metadata.world_size:
         raise CheckpointFormatError(f"{source}: {SHARDED_META_FILE} contradicts itself about the world size.")
-    sharded_format: ShardedFormat
+    sharded_format: ShardedFormatName
     if (directory / DCP_METADATA_FILE).exists() or (directory / DCP_METADATA_FILE).is_symlink():
         sharded_format = "torch.distributed.checkpoint"
     elif any(SHARDED_RANK_FILE_PATTERN.match(name) for name in os.listdir(directory)):

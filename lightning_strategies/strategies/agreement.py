@@ -33,8 +33,7 @@ RUN_STATE_ATTRIBUTES = frozenset(
         "_checkpoint_source",
         "_failure_timeout",
         "_failed",
-        "_sharded_source",  # each rank names its own rank file
-        "_sharded_checkpoint",
+        "_sharded_reader",  # the format restoring a sharded directory (each rank reads its own rank file)
         "_stop_verdict",
         "_inside_steps",
         "_stops",

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -83,6 +84,7 @@ from .agreement import (
     agree_on_sharded_save,
     forget_resume_path_check,
     options_fingerprint,
+    refuse_unless_every_rank_fits,
     require_agreement,
     require_same_save_path,
 )
@@ -98,6 +100,7 @@ from .launcher import HAND_BACK_OPTIONS, CanonicalStateLauncher, HandBack
 from .meta_init import has_meta_tensors, refuse_meta_tensors
 from .precision import install_agreeing_scaler, remove_agreeing_scaler
 from .redirection import ForwardRedirection
+from .sharded_format import ShardedFormat
 from .stops import (
     CheckpointRefusedError,
     RequeueAtStepBoundary,
@@ -109,6 +112,7 @@ from .stops import (
 )
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+StateDictType = Literal["full", "sharded"]
 
 
 class DirectReferenceStrategy(ParallelStrategy):
@@ -138,6 +142,9 @@ class DirectReferenceStrategy(ParallelStrategy):
     _broadcast_buffers: bool = False
     #: Whether setup gives meta-device tensors memory (after sharding); strategies that cannot refuse them.
     _materialises_meta_tensors: ClassVar[bool] = False
+    #: ``"full"`` (one canonical file) or ``"sharded"`` (a directory in the format :meth:`sharded_format` describes);
+    #: strategies that save sharded take it as an option (see :meth:`_checked_state_dict_type`).
+    _state_dict_type: StateDictType = "full"
 
     def __init__(
         self,
@@ -167,6 +174,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         self._start_method: StartMethod = start_method
         self._hand_back: HandBack = hand_back
         self._checkpoint_source = "the checkpoint"
+        self._sharded_reader: ShardedFormat | None = None  # the format restoring the directory being loaded
         self._failure_timeout: float | None = None
         self._failed = False
         self._stop_verdict: StopVerdict | None = None
@@ -659,6 +667,8 @@ class DirectReferenceStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model state a checkpoint holds: by default :meth:`full_model_state`."""
         self.require_save_possible()  # the first thing a save asks for: before any of its collectives
+        if self._saves_sharded:  # every rank keeps its own part: no gather
+            return self._require_sharded_format().model_state()
         return self.full_model_state()
 
     def full_model_state(self) -> dict[str, Any]:
@@ -683,6 +693,8 @@ class DirectReferenceStrategy(ParallelStrategy):
         Every rank must call it: sharded optimizers gather with collectives.
         """
         raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if self._saves_sharded:
+            return self._require_sharded_format().optimizer_state(raw)
         state = self._canonical_optimizer_state(raw)
         return state if self.is_global_zero else {}
 
@@ -696,11 +708,51 @@ class DirectReferenceStrategy(ParallelStrategy):
             format_version=FORMAT_VERSION,
             strategy=self.strategy_name,
             world_size=self.world_size,
-            state_dict_type="full",
+            state_dict_type=self._state_dict_type,
         )
+
+    # ------------------------------------------------------------------ the sharded format
+
+    def sharded_format(self) -> ShardedFormat | None:
+        """Hook: a new :class:`ShardedFormat` describing this strategy's sharded directories; ``None`` (the default)
+        when it writes none. Directories it does not read in place (and every directory, with ``None``) are
+        consolidated and loaded as full checkpoints."""
+        return None
+
+    @staticmethod
+    def _checked_state_dict_type(state_dict_type: str) -> StateDictType:
+        """``state_dict_type`` as given to a strategy's constructor, checked.
+
+        Raises:
+            ValueError: Neither ``"full"`` nor ``"sharded"``.
+        """
+        if state_dict_type == "full":
+            return "full"
+        if state_dict_type == "sharded":
+            return "sharded"
+        raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
+
+    @property
+    def _saves_sharded(self) -> bool:
+        return self._state_dict_type == "sharded"
+
+    def _require_sharded_format(self) -> ShardedFormat:
+        sharded = self.sharded_format()
+        if sharded is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} has state_dict_type='sharded' but describes no sharded format: implement"
+                " sharded_format(), or save with state_dict_type='full'."
+            )
+        return sharded
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self._saves_sharded:
+            sharded = self._require_sharded_format()
+            directory = Path(filepath)
+            write = partial(sharded.write, checkpoint, directory)
+            self.save_sharded(checkpoint, directory, write, collective_write=sharded.collective_write)
+            return
         require_same_save_path(filepath)  # a rank's different path would be silently ignored
         if isinstance(self._launcher, CanonicalStateLauncher):  # the main process after a fork/spawn fit
             checkpoint = self._launcher.complete_checkpoint(checkpoint)
@@ -790,9 +842,17 @@ class DirectReferenceStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        self._sharded_reader = None
         directory = sharded_directory(checkpoint_path)
         if directory is not None:
-            return self._load_consolidated(open_sharded(directory))
+            sharded = open_sharded(directory)
+            reader = self.sharded_format()
+            if reader is None or not reader.reads_in_place(sharded):
+                return self._load_consolidated(sharded)
+            self._checkpoint_source = sharded.source
+            opened = reader.open(sharded)
+            self._sharded_reader = reader
+            return opened
         # Checkpoints never run code when loaded: weights_only is always True.
         self._checkpoint_source = f"Checkpoint {str(checkpoint_path)!r}"
         checkpoint = read_checkpoint(
@@ -814,6 +874,25 @@ class DirectReferenceStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # Sharded parameters (DTensors) are neither read nor written inside `torch.inference_mode()`, where
+        # `trainer.test(ckpt_path=...)` restores: every restore runs outside it.
+        with torch.inference_mode(False):
+            if self._sharded_reader is not None:
+                self._load_sharded_model_state(self._sharded_reader, checkpoint, strict)
+            else:
+                self._load_full_model_state(checkpoint, strict)
+
+    def _load_sharded_model_state(self, reader: ShardedFormat, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        # Every rank checks its part (and the optimizer states it will restore); the ranks agree before any weight
+        # changes, so a part that does not fit on one rank leaves every rank's weights as they were.
+        refuse_unless_every_rank_fits(
+            reader.problem(checkpoint, strict, self._restoring_sharded_optimizer_states(checkpoint))
+        )
+        if not reader.holds_optimizer_states(checkpoint):
+            self._resume_without_optimizer_state(checkpoint)  # one warning; the optimizers start fresh
+        reader.load_model(checkpoint, strict)
+
+    def _load_full_model_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
         source = self._checkpoint_source
         require_full_checkpoint(checkpoint, source=source)
         if "state_dict" not in checkpoint:
@@ -845,7 +924,9 @@ class DirectReferenceStrategy(ParallelStrategy):
     def _restoring_sharded_optimizer_states(self, checkpoint: Mapping[str, Any]) -> bool:
         """Whether a sharded load restores the optimizer states it holds (the Trainer fits and restores them)."""
         trainer = self.require_lightning_module()._trainer
-        return trainer is not None and self._restoring_optimizers(trainer) and "optimizer_states" in checkpoint
+        reader = self._sharded_reader
+        holds = reader.holds_optimizer_states(checkpoint) if reader is not None else "optimizer_states" in checkpoint
+        return trainer is not None and self._restoring_optimizers(trainer) and holds
 
     def _load_canonical_model_state(self, state: Mapping[str, Any], strict: bool) -> None:
         """Hook: puts canonical model state into the (wrapped) model. Default: the module holds whole tensors."""
@@ -865,6 +946,14 @@ class DirectReferenceStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        with torch.inference_mode(False):
+            reader, self._sharded_reader = self._sharded_reader, None  # the restore ends here
+            if reader is None:
+                self._load_full_optimizer_states(checkpoint)
+            elif reader.holds_optimizer_states(checkpoint):  # else the optimizers start fresh (warned about)
+                reader.load_optimizers(checkpoint)
+
+    def _load_full_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint["optimizer_states"]
         if not holds_optimizer_state(checkpoint):
             return  # warned about in load_model_state_dict: the optimizers start fresh

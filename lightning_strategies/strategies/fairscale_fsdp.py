@@ -12,7 +12,6 @@ import inspect
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -28,13 +27,8 @@ from typing_extensions import override
 
 from lightning_strategies import fairscale_cpu
 from lightning_strategies.checkpoint import (
-    CheckpointError,
-    CheckpointFormatError,
-    CheckpointMetadata,
     canonical_keys,
     check_model_state,
-    check_optimizer_states,
-    param_group_shapes,
     to_cpu_state,
     to_module_keys,
 )
@@ -45,30 +39,16 @@ from lightning_strategies.checkpoint.flat_layout import (
     OptimizerLayout,
     canonical_name,
     flat_units,
-    fsdp_instances,
     join_name,
     optimizer_layout,
     parameter_names,
     persistent_buffers,
     tied_aliases,
 )
-from lightning_strategies.checkpoint.sharded import (
-    SHARDED_LAYOUT_KEY,
-    SHARDED_LAYOUT_VERSION,
-    SHARDED_RANK_FILE,
-    SHARDED_SAVE_KEY,
-    fairscale_model_layout,
-    open_sharded,
-    rank_file_paths,
-    read_rank_file,
-    save_stamp,
-    sharded_directory,
-)
-from lightning_strategies.checkpoint.training_state import holds_optimizer_state
 
-from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl
-from .agreement import refuse_unless_every_rank_fits
+from .._lightning import CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl
 from .base import DirectReferenceStrategy, StartMethod
+from .fairscale_shards import FairScaleLocalShards
 from .fairscale_wrap import (
     ClassifiedFSDP,
     ParamClass,
@@ -209,8 +189,6 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
                 f" FullyShardedDataParallel does not take. It takes: {', '.join(sorted(FSDP_KWARGS))}"
                 " (compute_device is set from the Trainer's device)."
             )
-        if state_dict_type not in ("full", "sharded"):
-            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -224,7 +202,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         )
         self._fsdp_kwargs = {"state_dict_on_rank_0_only": True, **fsdp_kwargs}
         self._auto_wrap_min_params = auto_wrap_min_params
-        self._state_dict_type = state_dict_type
+        self._state_dict_type = self._checked_state_dict_type(state_dict_type)
         self._broadcast_buffers = broadcast_buffers
         self._cpu_patched = False
         self._units: list[FlatUnit] = []
@@ -233,8 +211,6 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._view_guard: ViewGuard | None = None
         self._unit_guard: UnitCallGuard | None = None
         self._layouts: dict[int, OptimizerLayout] = {}
-        self._loaded_sharded = False
-        self._sharded_source = "the rank file"
         self._routing: SubmoduleCallRouting | None = None
         self._original_children: list[tuple[Module, str, Module]] = []
         self._state_key_order: list[str] = []
@@ -729,13 +705,6 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         return state
 
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.require_save_possible()  # before any collective of the save
-        if self._state_dict_type == "sharded":  # every rank keeps its own shard: no gather
-            return canonical_keys(self._root().local_state_dict())
-        return super().lightning_module_state_dict()
-
-    @override
     def _load_canonical_model_state(self, state: Mapping[str, Any], strict: bool) -> None:
         root = self._root()
         check_model_state(self._expected_model_state(), state, strict=strict, source=self._checkpoint_source)
@@ -756,13 +725,6 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
     @override
     def _canonical_param_shapes(self, optimizer: Optimizer) -> list[list[torch.Size]]:
         return self._layout_of(optimizer).shapes
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._state_dict_type == "sharded":
-            raw = getattr(optimizer, "_optimizer", optimizer)
-            return dict(raw.state_dict())
-        return super().optimizer_state(optimizer)
 
     @override
     def _canonical_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -823,154 +785,5 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
     # ------------------------------------------------------------------ sharded checkpoints
 
     @override
-    def checkpoint_metadata(self) -> CheckpointMetadata:
-        metadata = super().checkpoint_metadata()
-        return CheckpointMetadata(
-            metadata.format_version, metadata.strategy, metadata.world_size, self._state_dict_type
-        )
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self._state_dict_type == "full":
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        directory = Path(filepath)
-
-        def write_rank_file(staging: Path, save_id: str) -> None:
-            shard = {
-                "state_dict": checkpoint["state_dict"],
-                "optimizer_states": checkpoint.get("optimizer_states", []),
-                SHARDED_LAYOUT_KEY: self._sharded_layout(),
-                SHARDED_SAVE_KEY: save_stamp(save_id, self.world_size, self.global_rank),
-            }
-            self.sharded_checkpoint_io.save_checkpoint(shard, staging / SHARDED_RANK_FILE.format(rank=self.global_rank))
-
-        self.save_sharded(checkpoint, directory, write_rank_file)
-
-    def _sharded_layout(self) -> dict[str, Any]:
-        """What a rank file needs to be turned into canonical state offline (plain values, ``weights_only``-safe).
-
-        ``units``: the flat shards in ``local_state_dict()`` (its key, the canonical names and shapes it holds, the
-        size of its process group); ``optimizers``: for each optimizer, the canonical names of each param group and
-        which unit each index of its flat state is; ``aliases``: the other keys of tied parameters.
-        """
-        key_of = {id(param): canonical_name(name) for name, param in self._root().named_parameters()}
-        position = {id(unit.param): index for index, unit in enumerate(self._units)}
-        units = [
-            {
-                "key": key_of[id(unit.param)],
-                "names": list(unit.names),
-                "shapes": [list(shape) for shape in unit.shapes],
-                "world_size": unit.instance.world_size,
-            }
-            for unit in self._units
-        ]
-        optimizers = []
-        for optimizer in self._raw_optimizers():
-            layout = self._layout_of(optimizer)
-            optimizers.append(
-                {
-                    "group_names": [list(names) for names in layout.group_names],
-                    "units": [position[id(unit.param)] for unit in layout.flat_units],
-                }
-            )
-        return {
-            "version": SHARDED_LAYOUT_VERSION,
-            "rank": self.global_rank,
-            "world_size": self.world_size,
-            "units": units,
-            "optimizers": optimizers,
-            "aliases": dict(self._aliases),  # tied parameters' other keys -> the key that holds them
-        }
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        directory = sharded_directory(checkpoint_path)
-        if directory is None:
-            self._loaded_sharded = False
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        sharded = open_sharded(directory)
-        metadata, source = sharded.metadata, sharded.source
-        native = sharded.format == "fairscale FSDP local shards" and metadata.strategy == self.strategy_name
-        if not native or metadata.world_size != self.world_size:
-            # Rank files hold flat shards of this world size only; anything else is read whole (consolidated).
-            self._loaded_sharded = False
-            return self._load_consolidated(sharded)
-        self._checkpoint_source = source
-        rank_file_paths(sharded)  # every rank's file is there: a missing one is named on every rank
-        shard = read_rank_file(sharded, self.global_rank)
-        self._loaded_sharded = True
-        self._sharded_source = f"{source}: {SHARDED_RANK_FILE.format(rank=self.global_rank)}"
-        if not holds_optimizer_state(shard):  # a weights-only save: resumed like a weights-only file
-            shard.pop("optimizer_states", None)
-        return {**sharded.meta, **shard}
-
-    def _sharded_problem(self, checkpoint: Mapping[str, Any]) -> CheckpointError | None:
-        """Why this rank's shard does not fit this run (layout, local flat shards, optimizer states), or ``None``."""
-        where = self._sharded_source
-        saved, own = checkpoint.get(SHARDED_LAYOUT_KEY), self._sharded_layout()
-        try:
-            if not isinstance(saved, Mapping):
-                raise CheckpointFormatError(f"{where} holds no {SHARDED_LAYOUT_KEY!r} block.")
-            restoring = self._restoring_sharded_optimizer_states(checkpoint)
-            if restoring and len(checkpoint["optimizer_states"]) != len(self._raw_optimizers()):
-                # Named before the layout check (whose optimizers differ too): raises the count mismatch.
-                check_optimizer_states(checkpoint["optimizer_states"], self._raw_optimizers(), [], source=where)
-            # A weights-only save's layout still lists the optimizers of its run, which it did not save.
-            compared = (
-                "version",
-                "world_size",
-                "units",
-                *(("optimizers",) if holds_optimizer_state(checkpoint) else ()),
-            )
-            if any(saved.get(key) != own[key] for key in compared):
-                # Name the parameters that differ when the model differs; else the wrapping or param groups do.
-                described = fairscale_model_layout(checkpoint.get("state_dict", {}), saved)
-                check_model_state(self._expected_model_state(), described, source=where, shapes_only=True)
-                raise CheckpointFormatError(
-                    f"{where} was saved with another wrapping or other param groups (its flat parameters hold other"
-                    " parameters); nothing was loaded. Use the same auto_wrap_min_params, flatten_parameters,"
-                    " configure_model and configure_optimizers as the run that saved it, or consolidate it."
-                )
-            local = {  # entries that are not tensors (a module's extra state) as they are
-                key: torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, Tensor) else value
-                for key, value in self._root().local_state_dict().items()
-            }
-            saved_local = checkpoint.get("state_dict", {})
-            if isinstance(saved_local, Mapping):  # a compiled submodule's buffers: canonical keys on both sides
-                saved_local = canonical_keys(saved_local)
-            check_model_state(canonical_keys(local), saved_local, strict=True, source=where)
-            if restoring:
-                optimizers = self._raw_optimizers()
-                shapes = [param_group_shapes(optimizer) for optimizer in optimizers]
-                check_optimizer_states(checkpoint["optimizer_states"], optimizers, shapes, source=where)
-        except CheckpointError as error:
-            return error
-        return None
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if not self._loaded_sharded:
-            super().load_model_state_dict(checkpoint, strict)
-            return
-        root = self._root()
-        for _, instance in fsdp_instances(root):
-            instance._lazy_init()  # load_local_state_dict needs every instance initialised
-        # Every rank validates its shard (and optimizer states) and the ranks agree, before any weight changes.
-        refuse_unless_every_rank_fits(self._sharded_problem(checkpoint))
-        if not holds_optimizer_state(checkpoint):
-            self._resume_without_optimizer_state(checkpoint)  # one warning; the optimizers start fresh
-        with self._guarding_views():
-            root.load_local_state_dict(
-                to_module_keys(checkpoint["state_dict"], root, FAIRSCALE_SEGMENTS), strict=strict
-            )
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if not self._loaded_sharded:
-            super().load_optimizer_state_dict(checkpoint)
-            return
-        if not holds_optimizer_state(checkpoint):
-            return  # warned about in load_model_state_dict: the optimizers start fresh
-        for optimizer, state in zip(self._raw_optimizers(), checkpoint["optimizer_states"], strict=True):
-            optimizer.load_state_dict(dict(state))
+    def sharded_format(self) -> FairScaleLocalShards:
+        return FairScaleLocalShards(self)

@@ -9,24 +9,18 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from itertools import chain
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -36,30 +30,18 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_strategies.checkpoint import (
-    CheckpointMetadata,
     canonical_key,
     canonical_keys,
     check_model_state,
 )
-from lightning_strategies.checkpoint.atomic import raise_if_disk_full
-from lightning_strategies.checkpoint.dcp import (
-    MODEL_PARALLEL_LAYOUT,
-    DcpLayout,
-    check_dcp_optimizer_states,
-    dcp_model_layout,
-    dcp_optimizer_count,
-    dcp_stamps,
-    rank_zero_save_planner,
-    safe_dcp_load,
-    saved_parameters_only,
-)
-from lightning_strategies.checkpoint.flat import gather_to_rank0, local_part_like
+from lightning_strategies.checkpoint.flat import gather_to_rank0
 from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed
-from lightning_strategies.checkpoint.sharded import ShardedCheckpoint, open_sharded, read_dcp_files, sharded_directory
 
-from .._lightning import _PATH, CheckpointIO, ClusterEnvironment, Precision, pl
+from .._lightning import CheckpointIO, ClusterEnvironment, Precision, pl
 from .._torch_private import composable_activation_checkpoint
 from .base import DirectReferenceStrategy, StartMethod
+from .dtensor_state import load_into_module, local_parts
+from .fsdp2_shards import DcpShards
 from .full_gradients import full_dtensor_gradients
 from .launcher import HandBack
 from .meta_init import (
@@ -104,71 +86,8 @@ def _can_be_sharded_alone(submodule: Module, uses: Counter[int]) -> bool:
     return all(count == uses[key] for key, count in inside.items())
 
 
-def _local_parts(full: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any] | None:
-    """``full``'s values with each tensor whose counterpart in ``current`` is a DTensor cut to this rank's part
-    (:func:`local_part_like`); 0-dim tensors (an optimizer's step) and values without a DTensor counterpart stay as
-    they are. ``None`` if a tensor cannot be cut locally."""
-    parts: dict[str, Any] = {}
-    for key, value in full.items():
-        like = current.get(key)
-        if isinstance(value, Tensor) and value.ndim > 0 and isinstance(like, DTensor):
-            part = local_part_like(value, like)
-            if part is None:
-                return None
-            parts[key] = part
-        else:
-            parts[key] = value
-    return parts
-
-
 def _on(module: Module, device: torch.device) -> bool:
     return all(tensor.device == device for tensor in chain(module.parameters(), module.buffers()))
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-@torch.no_grad()
-def _load_into_module(module: Module, state: Mapping[str, Any], current: Mapping[str, Any]) -> None:
-    """Puts ``state`` (each tensor of its local shape, keys checked against the module) into ``module``.
-
-    ``current`` is ``get_model_state_dict(module)``: with torch's default options its tensors are the module's own
-    sharded parameters and buffers (``nn.Module.state_dict`` returns references), so each tensor of ``state`` is copied
-    into its shard in place, and one that is that storage already (DCP loaded into it) is left alone. The rest (a
-    value that is not a tensor, an entry the module's storage does not back) goes through ``set_model_state_dict``,
-    whose per-module hooks and key mapping cost about 50 ms on a GPT-2 of 6.9 M parameters.
-    """
-    own_storage = {_local(tensor).data_ptr() for tensor in chain(module.parameters(), module.buffers())}
-    rest: dict[str, Any] = {}
-    for key, value in state.items():
-        if key not in current:  # only under non-strict loading (checked before): ignored, as load_state_dict does
-            continue
-        target = current[key]
-        if isinstance(value, Tensor) and isinstance(target, Tensor):
-            local = _local(target)
-            if local.data_ptr() in own_storage and _local(value).shape == local.shape:
-                if value is not target:
-                    local.copy_(_local(value))
-                continue
-        rest[key] = value
-    if rest:
-        set_model_state_dict(module, rest, options=StateDictOptions(strict=False))
-
-
-@dataclass
-class _DcpRestore:
-    """A sharded (DCP) checkpoint being restored: its directory, its validated metadata and, once the optimizer
-    states were checked against them, the templates they load into (building them steps every optimizer once)."""
-
-    sharded: ShardedCheckpoint
-    stored: Metadata
-    optimizer_templates: list[dict[str, Any]] | None = None
-
-    @property
-    def holds_optimizer_states(self) -> bool:
-        """Whether the save wrote optimizer states (not a weights-only save)."""
-        return dcp_optimizer_count(self.stored, DcpLayout.of(self.stored, self.sharded.source)) > 0
 
 
 class FSDP2Strategy(DirectReferenceStrategy):
@@ -232,8 +151,6 @@ class FSDP2Strategy(DirectReferenceStrategy):
         state_dict_type: Literal["full", "sharded"] = "full",
         broadcast_buffers: bool = True,
     ) -> None:
-        if state_dict_type not in ("full", "sharded"):
-            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -257,12 +174,11 @@ class FSDP2Strategy(DirectReferenceStrategy):
                 f" {torch.__version__} does not have. Leave activation_checkpointing empty and call"
                 " torch.utils.checkpoint.checkpoint in your module's forward, or use torch 2.13 or 2.14."
             )
-        self._state_dict_type = state_dict_type
+        self._state_dict_type = self._checked_state_dict_type(state_dict_type)
         self._broadcast_buffers = broadcast_buffers
         self._device_mesh: DeviceMesh | None = None
         self._model_parallel_mesh: DeviceMesh | None = None
         self._left_for_the_restore: dict[str, str] = {}
-        self._sharded_checkpoint: _DcpRestore | None = None
         self._routing: SubmoduleCallRouting | None = None
 
     # ------------------------------------------------------------------ environment and sharding
@@ -502,13 +418,6 @@ class FSDP2Strategy(DirectReferenceStrategy):
                 state[key] = full
         return state
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.require_save_possible()  # before any collective of the save
-        if self._state_dict_type == "sharded":  # DTensor shards, written by torch.distributed.checkpoint
-            return dict(get_model_state_dict(self.require_lightning_module()))
-        return super().lightning_module_state_dict()
-
     def _expected_model_state(self) -> dict[str, Any]:
         """Canonical keys with meta tensors of the global shapes (a DTensor's shape is the global one); entries that
         are not tensors (``get_extra_state``) as they are. Canonical, as torch's distributed state-dict API names
@@ -525,11 +434,11 @@ class FSDP2Strategy(DirectReferenceStrategy):
         check_model_state(self._expected_model_state(), state, strict=strict, source=self._checkpoint_source)
         module = self.require_lightning_module()
         current = get_model_state_dict(module)
-        local = _local_parts(state, current)
+        local = local_parts(state, current)
         if local is None:  # a layout local_part_like does not cut: torch's full loader (it scatters from rank 0)
             set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
             return
-        _load_into_module(module, local, current)
+        load_into_module(module, local, current)
 
     # ------------------------------------------------------------------ optimizer state
 
@@ -537,15 +446,6 @@ class FSDP2Strategy(DirectReferenceStrategy):
         # Canonical names, as torch's distributed state-dict API keys optimizer state (no `_orig_mod`).
         name_of = {id(param): canonical_key(name) for name, param in self.require_lightning_module().named_parameters()}
         return [[name_of[id(param)] for param in group["params"]] for group in optimizer.param_groups]
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._state_dict_type == "sharded":
-            raw = getattr(optimizer, "_optimizer", optimizer)
-            if not raw.state:  # before the first step torch's API steps the optimizer once (Adam's count ran ahead)
-                return canonical_to_name_keyed(raw.state_dict(), [name for names in self._names(raw) for name in names])
-            return dict(get_optimizer_state_dict(self.require_lightning_module(), raw))
-        return super().optimizer_state(optimizer)
 
     @override
     def _canonical_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -569,7 +469,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         # full loader would scatter every tensor from rank 0 and first step the optimizer once to create its state).
         params = [param for group in optimizer.param_groups for param in group["params"]]
         parts = {
-            index: _local_parts(entries, dict.fromkeys(entries, params[int(index)]))
+            index: local_parts(entries, dict.fromkeys(entries, params[int(index)]))
             for index, entries in state["state"].items()
         }
         if all(part is not None for part in parts.values()):
@@ -590,116 +490,5 @@ class FSDP2Strategy(DirectReferenceStrategy):
     # ------------------------------------------------------------------ sharded checkpoints (DCP)
 
     @override
-    def checkpoint_metadata(self) -> CheckpointMetadata:
-        metadata = super().checkpoint_metadata()
-        return CheckpointMetadata(
-            metadata.format_version, metadata.strategy, metadata.world_size, self._state_dict_type
-        )
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self._state_dict_type == "full":
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        directory = Path(filepath)
-        # Upstream ModelParallelStrategy's layout (DcpLayout): each reads the other's directories.
-        layout = MODEL_PARALLEL_LAYOUT
-        sharded = {
-            layout.model_key: checkpoint["state_dict"],
-            **{
-                layout.optimizer_key(index): state for index, state in enumerate(checkpoint.get("optimizer_states", []))
-            },
-        }
-
-        def write_dcp(staging: Path, save_id: str) -> None:
-            try:
-                # Buffers and other whole tensors from rank 0, as under ddp (each rank keeps its own running stats).
-                state = {**sharded, **dcp_stamps(save_id, self.global_rank)}
-                dcp_save(state, checkpoint_id=staging, planner=rank_zero_save_planner())
-            except CheckpointException as error:  # does not survive the trip to the launching process: re-told
-                raise_if_disk_full(error, directory)
-                raise RuntimeError(f"Saving sharded checkpoint {str(directory)!r} failed: {error}") from None
-
-        self.save_sharded(checkpoint, directory, write_dcp, collective_write=True)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        directory = sharded_directory(checkpoint_path)
-        if directory is None:
-            self._sharded_checkpoint = None
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        sharded = open_sharded(directory)
-        self._checkpoint_source = sharded.source
-        if sharded.format != "torch.distributed.checkpoint":  # another strategy's layout: read whole, loaded as full
-            self._sharded_checkpoint = None
-            return self._load_consolidated(sharded)
-        # .metadata read without running code; every .distcp file there, whole, and of this save.
-        restore = _DcpRestore(sharded, read_dcp_files(sharded))
-        self._sharded_checkpoint = restore
-        if not restore.holds_optimizer_states:  # weights-only: resumed like a weights-only file
-            return {**sharded.meta, "state_dict": {}}
-        # Lightning checks that optimizer states exist before asking the strategy to load them.
-        return {**sharded.meta, "state_dict": {}, "optimizer_states": []}
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        # Reading and writing DTensor parameters (their detach) is refused inside `torch.inference_mode()`, where
-        # `trainer.test(ckpt_path=...)` may restore: the restore runs outside it.
-        with torch.inference_mode(False):
-            self._load_model_state_dict(checkpoint, strict)
-
-    def _load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._sharded_checkpoint is None:
-            super().load_model_state_dict(checkpoint, strict)
-            return
-        restore = self._sharded_checkpoint
-        sharded, stored = restore.sharded, restore.stored
-        module = self.require_lightning_module()
-        # Validated completely before any weight changes: DCP itself ignores keys the model lacks (an extra submodule
-        # under strict loading) and would load the weights before finding that the optimizer state does not fit.
-        layout = DcpLayout.of(stored, sharded.source)
-        saved_model = dcp_model_layout(stored, layout.model_key)
-        check_model_state(
-            self._expected_model_state(), saved_model, strict=strict, source=sharded.source, shapes_only=True
-        )
-        if not restore.holds_optimizer_states:
-            self._resume_without_optimizer_state(checkpoint)  # one warning; the optimizers start fresh
-        elif self._restoring_sharded_optimizer_states(checkpoint):
-            optimizers = self._raw_optimizers()
-            templates = [get_optimizer_state_dict(module, optimizer) for optimizer in optimizers]
-            restore.optimizer_templates = saved_parameters_only(templates, stored, layout)
-            check_dcp_optimizer_states(restore.optimizer_templates, stored, layout, source=sharded.source)
-        current = get_model_state_dict(module)
-        model_state = {key: value for key, value in current.items() if key in saved_model}
-        safe_dcp_load({layout.model_key: model_state}, sharded.directory)  # in place, resharded to this world size
-        _load_into_module(module, model_state, current)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        # Reading and writing DTensor parameters (their detach) is refused inside `torch.inference_mode()`, where
-        # `trainer.test(ckpt_path=...)` may restore: the restore runs outside it.
-        with torch.inference_mode(False):
-            self._load_optimizer_state_dict(checkpoint)
-
-    def _load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._sharded_checkpoint is None:
-            super().load_optimizer_state_dict(checkpoint)
-            return
-        restore = self._sharded_checkpoint
-        if not restore.holds_optimizer_states:  # a weights-only save: the optimizers keep their fresh state
-            self._sharded_checkpoint = None
-            return
-        layout = DcpLayout.of(restore.stored, restore.sharded.source)
-        module = self.require_lightning_module()
-        optimizers = self._raw_optimizers()
-        # The templates the check built: the optimizers' states, which the model's load left as they were.
-        templates = restore.optimizer_templates or saved_parameters_only(
-            [get_optimizer_state_dict(module, opt) for opt in optimizers], restore.stored, layout
-        )
-        directory = restore.sharded.directory
-        safe_dcp_load({layout.optimizer_key(i): template for i, template in enumerate(templates)}, directory)
-        # Not strict: a parameter that had no state when saved (never a gradient) has none now, as under ddp.
-        options = StateDictOptions(strict=False)
-        for optimizer, state in zip(optimizers, templates, strict=True):
-            set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=options)
-        self._sharded_checkpoint = None
+    def sharded_format(self) -> DcpShards:
+        return DcpShards(self)
