@@ -83,6 +83,17 @@ else:
     is_overridden = _load(_PYTORCH, "utilities.model_helpers", "is_overridden")
     LRSchedulerConfig = _load(_PYTORCH, "utilities.types", "LRSchedulerConfig")
 
+
+def evaluate_under_no_grad(trainer: pl.Trainer) -> None:
+    """Runs the trainer's validation, test and predict loops under ``torch.no_grad()`` instead of inference mode.
+
+    Lightning does this for its own ``FSDPStrategy`` only (torch FSDP cannot all-gather parameters inside
+    ``torch.inference_mode()``, pytorch/pytorch#95957), and always under gloo, which is why CPU runs never show it.
+    """
+    for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):  # fit's own runs under no_grad
+        loop.inference_mode = False
+
+
 __all__ = [
     "FLAVOUR",
     "_PATH",
@@ -112,6 +123,7 @@ __all__ = [
     "_sync_ddp_if_available",
     "_sync_module_states",
     "_trainer_call",
+    "evaluate_under_no_grad",
     "is_overridden",
     "pl",
     "reset_seed",

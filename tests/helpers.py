@@ -195,7 +195,7 @@ def assert_same_checkpoint_state(expected_path: Path, got_path: Path, atol: floa
     def same(left: Any, right: Any) -> bool:
         if not isinstance(left, torch.Tensor | int | float) or not isinstance(right, torch.Tensor | int | float):
             return bool(left == right)  # a module's extra state, a scheduler's settings
-        left, right = torch.as_tensor(left), torch.as_tensor(right)
+        left, right = torch.as_tensor(left).cpu(), torch.as_tensor(right).cpu()  # ddp saves CUDA tensors as they are
         return left.shape == right.shape and bool(torch.allclose(left, right, atol=atol, rtol=0, equal_nan=True))
 
     before = canonical_checkpoint(expected_path)

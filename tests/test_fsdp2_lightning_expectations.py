@@ -311,6 +311,24 @@ def test_test_and_predict_after_fit_in_the_same_process_in_inference_mode_give_d
         assert torch.allclose(torch.tensor(rank["predictions"]), torch.tensor(expected["predictions"]), atol=1e-5)
 
 
+def _loops_inference_mode(strategy: str) -> dict[str, bool]:
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(max_epochs=1))
+    trainer.fit(ConformanceModel())
+    # (fit's own validation loop runs under no_grad by Lightning's design, whatever the strategy)
+    return {"test": trainer.test_loop.inference_mode, "predict": trainer.predict_loop.inference_mode}
+
+
+@pytest.mark.parametrize(("strategy", "inference_mode"), [("fsdp2", False), ("ddp_sharded", True)])
+def test_fsdp2_runs_the_evaluation_loops_under_no_grad_as_lightning_does_for_its_fsdp(
+    strategy: str, inference_mode: bool
+) -> None:
+    # Under NCCL Lightning evaluates inside `torch.inference_mode()`, where FSDP2's all-gather fails ("Inference
+    # tensors do not track version counter", seen on an H200); gloo always gets no_grad, so CPU runs see only the flag.
+    ranks = run_as_ranks(lambda: _loops_inference_mode(strategy))
+
+    assert ranks == [{"test": inference_mode, "predict": inference_mode}] * 2
+
+
 def _fit_then_test_a_checkpoint_in_inference_mode(strategy: Any, path: Path) -> float:
     """Every rank: fit, save, then ``trainer.test(ckpt_path=...)`` inside ``torch.inference_mode()`` (upstream's
     ``test_save_checkpoint_path_exists``-style flow): the restore runs in inference mode."""

@@ -75,6 +75,7 @@ from .._lightning import (
     _sync_module_states,
     _trainer_call,
     _WrappingCheckpointIO,
+    evaluate_under_no_grad,
     is_overridden,
     pl,
     reset_seed,
@@ -142,6 +143,9 @@ class DirectReferenceStrategy(ParallelStrategy):
     _broadcast_buffers: bool = False
     #: Whether setup gives meta-device tensors memory (after sharding); strategies that cannot refuse them.
     _materialises_meta_tensors: ClassVar[bool] = False
+    # False where the wrapper cannot gather parameters inside `torch.inference_mode()` (torch FSDP): the evaluation
+    # loops then run under `torch.no_grad()`, as Lightning does for its FSDPStrategy.
+    _evaluates_in_inference_mode: ClassVar[bool] = True
     #: ``"full"`` (one canonical file) or ``"sharded"`` (a directory in the format :meth:`sharded_format` describes);
     #: strategies that save sharded take it as an option (see :meth:`_checked_state_dict_type`).
     _state_dict_type: StateDictType = "full"
@@ -459,6 +463,8 @@ class DirectReferenceStrategy(ParallelStrategy):
         )
         agree_on_resume_path(trainer, self.require_agreement, then=self.before_restore)
         self.accelerator.setup(trainer)
+        if not self._evaluates_in_inference_mode:
+            evaluate_under_no_grad(trainer)
         module = self.require_lightning_module()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync is not None:

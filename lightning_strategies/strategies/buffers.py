@@ -31,6 +31,13 @@ def _slots(module: Module) -> list[_BufferSlot]:
     return slots
 
 
+def _collective_device(tensor: Tensor) -> torch.device:
+    """Where ``tensor`` travels: NCCL moves CUDA tensors only; buffers on the host (CPU offload) go via the GPU."""
+    if torch.distributed.get_backend() == "nccl" and tensor.device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return tensor.device
+
+
 class RankZeroBuffers:
     """Broadcasts global rank 0's changing buffers to every rank before the first forward after a training step.
 
@@ -77,7 +84,7 @@ class RankZeroBuffers:
         if not snapshot:
             return []
         changed = [getattr(*slot) is not tensor or not torch.equal(tensor, before) for slot, tensor, before in snapshot]
-        flags = torch.tensor(changed, dtype=torch.int32, device=snapshot[0][1].device)
+        flags = torch.tensor(changed, dtype=torch.int32, device=_collective_device(snapshot[0][1]))
         torch.distributed.all_reduce(flags, op=ReduceOp.MAX)
         return [slot for (slot, _, _), flag in zip(snapshot, flags.tolist(), strict=True) if flag]
 
@@ -89,6 +96,7 @@ class RankZeroBuffers:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
         for tensors in by_dtype.values():
             flat = torch.cat([tensor.reshape(-1) for tensor in tensors])  # one collective per dtype
+            flat = flat.to(_collective_device(flat))
             torch.distributed.broadcast(flat, src=0)
             for tensor, synced in zip(tensors, torch.split(flat, [tensor.numel() for tensor in tensors]), strict=True):
                 tensor.copy_(synced.view_as(tensor))

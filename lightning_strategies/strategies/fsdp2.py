@@ -130,6 +130,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     strategy_name = "fsdp2"
     _materialises_meta_tensors = True
+    _evaluates_in_inference_mode = False
 
     def __init__(
         self,
