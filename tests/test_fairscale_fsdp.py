@@ -336,9 +336,11 @@ def test_the_script_launched_variants_conform_on_one_process(tmp_path: Path, nam
     assert_strategy_conforms(lambda: name, tmp_path, devices=1)
 
 
-def test_after_an_in_process_fit_the_module_is_plain_again_and_runs_the_next_stage() -> None:
+def test_after_an_in_process_fit_the_module_is_plain_again_and_runs_the_next_stage(tmp_path: Path) -> None:
     model = new_model()
-    trainer = pl.Trainer(strategy="fsdp_fairscale", accelerator="cpu", devices=1, logger=False, max_epochs=1)
+    trainer = pl.Trainer(
+        strategy="fsdp_fairscale", accelerator="cpu", devices=1, logger=False, max_epochs=1, default_root_dir=tmp_path
+    )
     trainer.fit(model)
 
     assert not [name for name, child in model.named_modules() if isinstance(child, FullyShardedDataParallel)]
