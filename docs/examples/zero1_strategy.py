@@ -97,7 +97,7 @@ class Zero1Shards(ShardedFormat):
         names = {param: name for name, param in module.named_parameters()}
         groups = [{**group, "params": [names[param] for param in group["params"]]} for group in optimizer.param_groups]
         owned = {names[param]: dict(entries) for param, entries in optimizer.optim.state.items()}  # this partition
-        return {"param_groups": groups, **({"state": owned} if owned else {})}
+        return {"state": owned, "param_groups": groups}
 
     def write(self, checkpoint: Mapping[str, Any], directory: Path, staging: Path, save_id: str) -> None:
         state = {"state_dict": checkpoint["state_dict"], **dcp_stamps(save_id, self.strategy.global_rank)}
