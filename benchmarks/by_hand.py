@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.optim import Optimizer
 
-from lightning_strategies import fairscale_cpu
 from lightning_strategies.checkpoint.atomic import atomic_torch_save
+from lightning_strategies.fairscale import cpu as fairscale_cpu
 
 from .models import LEARNING_RATE, BenchModule, shard_like_fsdp2
 

@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
 from torch import nn
 
-from lightning_strategies import fairscale_cpu
-from lightning_strategies.strategies.fairscale_wrap import forget_stale_fairscale_groups
+from lightning_strategies.fairscale import cpu as fairscale_cpu
+from lightning_strategies.fairscale.wrap import forget_stale_fairscale_groups
 
 Scenario = Callable[[], Any]
 

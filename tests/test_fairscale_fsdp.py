@@ -291,7 +291,7 @@ def test_spawn_launcher_hands_the_trained_weights_to_the_main_process() -> None:
 
 
 def test_the_cpu_patches_are_removed_when_an_in_process_run_ends() -> None:
-    from lightning_strategies import fairscale_cpu
+    from lightning_strategies.fairscale import cpu as fairscale_cpu
 
     fit("fsdp_fairscale", new_model(), devices=1, max_epochs=1)  # one device: runs in this process
     assert not fairscale_cpu.is_installed()

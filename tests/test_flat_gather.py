@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from lightning_strategies.checkpoint.flat import gather_full, gather_to_rank0, local_part_like, shard_size
+from lightning_strategies.checkpoint.flat import local_part_like, shard_size
+from lightning_strategies.strategies.gather import gather_full, gather_to_rank0
 from tests.ranks import run_as_ranks
 
 WORLD_SIZE = 3

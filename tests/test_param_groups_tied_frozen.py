@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_strategies import FairScaleFSDPStrategy
-from lightning_strategies.checkpoint.flat_layout import FlatUnit, optimizer_layout
+from lightning_strategies.fairscale.layout import FlatUnit, optimizer_layout
 from lightning_strategies.testing import ConformanceModel, SaveAfterRestore
 from tests.helpers import RankRecorder, assert_same_weights, comparable_optimizer_state, fit, new_model
 
@@ -398,7 +398,7 @@ def test_a_consolidated_sharded_checkpoint_holds_the_tied_keys_too(tmp_path: Pat
 
 
 def test_a_parameter_that_is_not_gathered_still_tells_its_shape_dtype_and_device() -> None:
-    from lightning_strategies.strategies.fairscale_wrap import NotGatheredParameter, NotGatheredParameterError
+    from lightning_strategies.fairscale.wrap import NotGatheredParameter, NotGatheredParameterError
 
     placeholder = NotGatheredParameter.create("head.weight", torch.Size([4, 16]), torch.float32)
     assert (placeholder.shape, placeholder.dtype, placeholder.device.type) == ((4, 16), torch.float32, "meta")

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from fairscale.optim import OSS
 
-from lightning_strategies.strategies.sharded_ddp import _to_oss
+from lightning_strategies.fairscale.sharded_ddp import _to_oss
 from tests.conftest import free_loopback_port
 
 

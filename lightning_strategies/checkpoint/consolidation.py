@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint._traverse import set_element
 
+from lightning_strategies._torch_private import dcp_set_element
 from lightning_strategies.checkpoint.dcp import DcpLayout, dcp_tensor_count, iter_dcp_items
 from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError
 from lightning_strategies.checkpoint.flat import split_full
@@ -284,7 +284,7 @@ def _dcp(
     for key, value in values.items():
         path = paths.get(key, tuple(key.split(".", 1)))
         if path[0] == layout.model_key and len(path) >= 2:  # deeper: a module's extra state, flattened by DCP
-            set_element(state, (str(path[1]), *path[2:]), value)
+            dcp_set_element(state, (str(path[1]), *path[2:]), value)
             continue
         optimizer_index = layout.optimizer_index(str(path[0]))
         if optimizer_index is None or len(path) != 4 or path[1] not in ("state", "param_groups"):

@@ -27,8 +27,6 @@ from typing import Any, Final
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -37,6 +35,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.futures import Future
 
+from lightning_strategies._torch_private import dcp_flatten_state_dict, dcp_set_element
 from lightning_strategies.checkpoint.errors import CheckpointFormatError, OptimizerStateMismatchError
 
 DCP_METADATA_FILE: Final = ".metadata"
@@ -180,7 +179,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 read_item,
             ) from error
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            dcp_set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
 
@@ -470,7 +469,7 @@ def check_dcp_optimizer_states(
     items = stored.state_dict_metadata
     for index, template in enumerate(templates):
         key_of_optimizer = layout.optimizer_key(index)
-        flat, _ = flatten_state_dict({key_of_optimizer: template})
+        flat, _ = dcp_flatten_state_dict({key_of_optimizer: template})
         problems: list[str] = []
         groups = {
             str(path[2])

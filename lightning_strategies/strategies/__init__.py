@@ -1,10 +1,11 @@
-"""One strategy per module; ``base`` holds what they share."""
+"""One strategy per module; ``base`` holds what they share. fairscale's strategies live in
+:mod:`lightning_strategies.fairscale` with everything else that needs fairscale, and are exported here too."""
 
+from ..fairscale.fsdp import FairScaleFSDPStrategy
+from ..fairscale.sharded_ddp import ShardedDDPStrategy
 from .base import DirectReferenceStrategy
-from .fairscale_fsdp import FairScaleFSDPStrategy
 from .fsdp2 import FSDP2Strategy
 from .redirection import ForwardRedirection
-from .sharded_ddp import ShardedDDPStrategy
 
 __all__ = [
     "DirectReferenceStrategy",

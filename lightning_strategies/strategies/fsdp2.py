@@ -34,7 +34,6 @@ from lightning_strategies.checkpoint import (
     canonical_keys,
     check_model_state,
 )
-from lightning_strategies.checkpoint.flat import gather_to_rank0
 from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed
 
 from .._lightning import CheckpointIO, ClusterEnvironment, Precision, pl
@@ -43,6 +42,7 @@ from .base import DirectReferenceStrategy, StartMethod
 from .dtensor_state import load_into_module, local_parts
 from .fsdp2_shards import DcpShards
 from .full_gradients import full_dtensor_gradients
+from .gather import gather_to_rank0
 from .launcher import HandBack
 from .meta_init import (
     has_meta_tensors,

@@ -25,6 +25,7 @@ from typing import Any
 import torch.distributed
 
 from .._lightning import _distributed_is_initialized
+from .._torch_private import collectives_run, default_store
 
 #: Seconds a rank that stopped waits for the others to report that they stopped too. Ranks that stop together report
 #: within milliseconds (Lightning raises ``SIGTERMException`` on every rank after a barrier); a rank that stopped alone
@@ -51,9 +52,7 @@ class StopVerdict:
 def _sequence_number() -> int | None:
     """How many collectives this rank has run on the default group (``None`` where the backend does not count)."""
     try:
-        group = torch.distributed.distributed_c10d._get_default_group()
-        count = getattr(group, "_get_sequence_number_for_group", None)  # private: may go; then not compared
-        return int(count()) if count is not None else None
+        return collectives_run()
     except (RuntimeError, AttributeError, ValueError):
         return None
 
@@ -95,7 +94,7 @@ def agree_on_stop(record: dict[str, Any], episode: int, timeout: float = STOP_AG
     prefix = f"{_STORE_PREFIX}/{episode}/"
     keys = [f"{prefix}{peer}" for peer in range(world_size)]
     try:
-        store = torch.distributed.distributed_c10d._get_default_store()
+        store = default_store()
         store.set(keys[rank], json.dumps(record))
     except Exception as error:  # the store's host (rank 0) is gone
         return StopVerdict(False, f"the other ranks cannot be reached ({type(error).__name__}: {error})")

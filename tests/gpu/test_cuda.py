@@ -24,7 +24,7 @@ def test_conforms_on_one_gpu_with_nccl(tmp_path: Path, strategy: str, optimizer:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="about a machine with CUDA (not rehearsed on CPU)")
 def test_fairscale_fsdp_applies_no_cpu_patch_on_a_gpu_machine() -> None:
-    from lightning_strategies import fairscale_cpu
+    from lightning_strategies.fairscale import cpu as fairscale_cpu
 
     assert not fairscale_cpu.install()
 

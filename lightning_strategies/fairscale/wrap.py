@@ -15,30 +15,47 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 import torch
-from fairscale.internal.parallel import get_process_group_cached
-from fairscale.nn.data_parallel import FullyShardedDataParallel
-from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_module
+from fairscale.nn.data_parallel import FullyShardedDataParallel, TrainingState
 from fairscale.nn.misc.flatten_params_wrapper import FlatParameter, FlattenParamsWrapper
-from fairscale.nn.wrap import default_auto_wrap_policy
+from fairscale.nn.wrap import auto_wrap, default_auto_wrap_policy, enable_wrap
 from torch import Tensor
 from torch.nn import Module, Parameter
+from torch.optim import Optimizer
 
-from lightning_strategies.checkpoint.flat_layout import (
+from lightning_strategies._torch_private import torch_function_subclass_disabled
+from lightning_strategies.checkpoint.model_state import COMPILED_SEGMENT
+from lightning_strategies.fairscale._private import (
+    FlattenHooks,
+    FSDPHooks,
+    cached_process_groups,
+    drop_cached_process_groups,
+    free_full_params,
+    has_cpu_gradient_buffer,
+    lazy_init,
+    param_infos,
+    replace_flatten_wrapper,
+    reshard,
+    saved_grad_shard,
+    set_saved_grad_shard,
+    shared_param_infos,
+    syncs_gradients,
+    use_fp32_param_shard,
+)
+from lightning_strategies.fairscale.layout import (
     FlatUnit,
     canonical_name,
     fsdp_instances,
     join_name,
     tied_aliases,
 )
-from lightning_strategies.checkpoint.model_state import COMPILED_SEGMENT
 
-from .full_gradients import FairScaleUnitView
+from ..strategies.full_gradients import FairScaleUnitView
 
 ParamClass = Callable[[Parameter], Hashable]
 
@@ -48,7 +65,24 @@ def by_requires_grad(param: Parameter) -> Hashable:
     return param.requires_grad
 
 
-class _ClassifiedFlattenParamsWrapper(FlattenParamsWrapper):
+def by_param_group(optimizers: Sequence[Optimizer]) -> ParamClass:
+    """The class of a parameter during fit: its optimizer's param group (its hyper-parameters) and ``requires_grad``
+    (fairscale flattens only equal ones), so a layer's weight and bias may be in different groups and frozen weights
+    sit next to trained ones."""
+    group_of = {
+        id(param): (index, group_index)
+        for index, optimizer in enumerate(optimizers)
+        for group_index, group in enumerate(optimizer.param_groups)
+        for param in group["params"]
+    }
+
+    def param_class(param: Parameter) -> Hashable:
+        return group_of.get(id(param)), param.requires_grad
+
+    return param_class
+
+
+class _ClassifiedFlattenParamsWrapper(FlattenHooks):
     """A flatten wrapper that splits the one parameter list FSDP gives it into one list per class of parameters."""
 
     param_class: ParamClass = by_requires_grad  # set for the duration of one FSDP constructor call
@@ -62,8 +96,8 @@ class _ClassifiedFlattenParamsWrapper(FlattenParamsWrapper):
             param_list = list(classes.values())
         super().__init__(module, param_list=param_list, flat_param_names=flat_param_names)
 
-    def _unflatten_params_as_views(self) -> None:
-        super()._unflatten_params_as_views()
+    def unflatten_params_as_views(self) -> None:
+        super().unflatten_params_as_views()
         if torch.is_grad_enabled():
             for flat in self.flat_params:
                 _record_gradient_arrivals(flat)
@@ -91,7 +125,7 @@ def _record_gradient_arrivals(flat: Parameter) -> None:
     ``flat.split(numels)`` reshaped: one hook on that split's backward node sees which of its outputs got a gradient
     (one hook per flat parameter and forward pass); where the graph looks otherwise, one hook per view.
     """
-    infos: list[tuple[str, Module, str]] = list(getattr(flat, "_param_infos", ()))
+    infos = param_infos(flat)
     if not flat.requires_grad or len(infos) < 2:
         return
     arrived: list[bool] = vars(flat).setdefault(_ARRIVED, [False] * len(infos))
@@ -138,21 +172,19 @@ def _flatten_by(param_class: ParamClass) -> Iterator[None]:
     which itself accepts a list of lists (one flat parameter each). The name is replaced in fairscale's module by a
     subclass for the duration of one constructor call only (isinstance checks keep holding).
     """
-    namespace = vars(fsdp_module)
-    original = namespace["FlattenParamsWrapper"]
     _ClassifiedFlattenParamsWrapper.param_class = param_class
-    namespace["FlattenParamsWrapper"] = _ClassifiedFlattenParamsWrapper
+    original = replace_flatten_wrapper(_ClassifiedFlattenParamsWrapper)
     try:
         yield
     finally:
-        namespace["FlattenParamsWrapper"] = original
+        replace_flatten_wrapper(original)
         _ClassifiedFlattenParamsWrapper.param_class = by_requires_grad
 
 
 _REDUCED = "_lightning_strategies_reduced"
 
 
-class ClassifiedFSDP(FullyShardedDataParallel):
+class ClassifiedFSDP(FSDPHooks):
     """A ``FullyShardedDataParallel`` that flattens each class of parameters into a flat parameter of its own.
 
     Args:
@@ -167,51 +199,51 @@ class ClassifiedFSDP(FullyShardedDataParallel):
         with _flatten_by(param_class):
             super().__init__(module, **kwargs)
 
-    def _use_full_params(self) -> None:
+    def use_full_params(self) -> None:
         # fairscale's pre-backward hook of an instance that keeps its parameters gathered after forward (the root, or
         # reshard_after_forward=False) asserts they still are. With several forward passes before one backward pass
         # (a manual-optimization step calls `self.encoder(x)` and `self.head(h)`, each a pass of the root) the
         # post-backward hook of a parameter the later pass used frees them before the earlier pass's backward begins:
         # gather them again instead (a collective every rank reaches in the same backward pass).
         if not self.has_full_params:
-            self._rebuild_full_params()
-        super()._use_full_params()
+            self.rebuild_full_params()
+        super().use_full_params()
 
     def assert_state(self, state: Any) -> None:
         # At the end of a backward pass fairscale asserts that every instance holding parameters that require
         # gradients got one (BACKWARD_POST). Under ddp (find_unused_parameters=True) a submodule whose parameters get
         # no gradient (called under no_grad, its output detached, or not called) trains on: such an instance has
         # nothing to reduce and is simply finished (IDLE or BACKWARD_PRE is its true state).
-        expected = [state] if isinstance(state, fsdp_module.TrainingState) else list(state)
-        idle = (fsdp_module.TrainingState.IDLE, fsdp_module.TrainingState.BACKWARD_PRE)
-        if self._finalizing and expected == [fsdp_module.TrainingState.BACKWARD_POST] and self.training_state in idle:
+        expected = [state] if isinstance(state, TrainingState) else list(state)
+        idle = (TrainingState.IDLE, TrainingState.BACKWARD_PRE)
+        if self._finalizing and expected == [TrainingState.BACKWARD_POST] and self.training_state in idle:
             return
         super().assert_state(state)
 
-    def _wait_for_post_backward(self) -> None:
+    def wait_for_post_backward(self) -> None:
         instances = [instance for instance in self.modules() if isinstance(instance, ClassifiedFSDP)]
         for instance in instances:
-            instance._lazy_init()  # an instance whose module was never called has no gathering buffers to free yet
+            lazy_init(instance)  # an instance whose module was never called has no gathering buffers to free yet
             instance._finalizing = True
         # With move_grads_to_cpu fairscale gives every parameter its CPU gradient buffer as .grad after a synchronised
         # backward pass, one that got no gradient in it too (zeros, or the last step's values): weight decay and
         # momentum then moved it where ddp leaves it alone. Such a parameter keeps the .grad it had before the pass.
-        synced = self._require_backward_grad_sync
+        synced = self.syncs_gradients
         before = [
             (param, param.grad)
             for instance in instances
             for param in instance.params
-            if synced and param.requires_grad and hasattr(param, "_cpu_grad")
+            if synced and param.requires_grad and has_cpu_gradient_buffer(param)
         ]
-        if self._require_backward_grad_sync:
+        if synced:
             # fairscale reshards every instance after a synchronised backward pass except the root, whose parameters
             # the pass may have gathered again after their post-backward hook had resharded them (above), and whose
             # frozen or unused parameters no hook reshards: the optimizer must step shards, so the root reshards too
             # (before fairscale checks that each gradient shard fits its parameter).
-            self._free_full_params()
-            self._use_fp32_param_shard()
+            free_full_params(self)
+            use_fp32_param_shard(self)
         try:
-            super()._wait_for_post_backward()
+            super().wait_for_post_backward()
         finally:
             for instance in instances:
                 instance._finalizing = False
@@ -219,9 +251,9 @@ class ClassifiedFSDP(FullyShardedDataParallel):
             if not vars(param).pop(_REDUCED, False):
                 param.grad = grad
 
-    def _post_reduction_hook(self, param: Parameter, reduced_grad: Tensor) -> None:
+    def post_reduction_hook(self, param: Parameter, reduced_grad: Tensor) -> None:
         vars(param)[_REDUCED] = True  # this backward pass reduced a gradient for it
-        super()._post_reduction_hook(param, reduced_grad)
+        super().post_reduction_hook(param, reduced_grad)
 
 
 class WrapRequests:
@@ -296,7 +328,7 @@ def require_ties_kept(before: Mapping[str, str], root: Module) -> None:
     """Refuses a wrapped model in which parameters that were tied before wrapping are no longer one parameter.
 
     Args:
-        before: :func:`~lightning_strategies.checkpoint.flat_layout.tied_aliases` of the module before wrapping.
+        before: :func:`~lightning_strategies.fairscale.layout.tied_aliases` of the module before wrapping.
         root: The wrapped model.
 
     Raises:
@@ -313,6 +345,42 @@ def require_ties_kept(before: Mapping[str, str], root: Module) -> None:
             " parameter, or leave that submodule to the strategy's auto-wrapping (it keeps shared parameters"
             " together)."
         )
+
+
+def wrap_model(
+    module: Module, kwargs: Mapping[str, Any], requests: WrapRequests, auto_wrap_min_params: int | None
+) -> tuple[ClassifiedFSDP, str]:
+    """Wraps ``module``: the submodules marked with ``fairscale.nn.wrap`` (else, unless the user wrapped some, the
+    large ones, keeping shared parameters together), then the root.
+
+    Args:
+        module: The LightningModule.
+        kwargs: The options of every ``ClassifiedFSDP``.
+        requests: The submodules marked in ``configure_model``.
+        auto_wrap_min_params: The size from which a submodule gets its own FSDP; ``None``: the root only.
+
+    Returns:
+        The root, and what chose the nested instances (for error messages).
+
+    Raises:
+        ValueError: Parameters tied before wrapping are no longer one parameter (see :func:`require_ties_kept`).
+    """
+    user_wrapped = any(isinstance(child, FullyShardedDataParallel) for child in module.modules())
+    ties = tied_aliases(module)
+
+    def wrap_marked(child: Module, **given: Any) -> ClassifiedFSDP:
+        return ClassifiedFSDP(child, **{**kwargs, **given})
+
+    requested = requests.apply(module, wrap_marked)
+    if not (user_wrapped or requested) and auto_wrap_min_params is not None:
+        policy = tie_safe_policy(module, auto_wrap_min_params)
+        with enable_wrap(wrapper_cls=ClassifiedFSDP, **kwargs):
+            for name, child in list(module.named_children()):
+                setattr(module, name, auto_wrap(child, auto_wrap_policy=policy))
+    root = ClassifiedFSDP(module, **kwargs)
+    require_ties_kept(ties, root)
+    wrapped_by = "fairscale.nn.wrap" if user_wrapped or requested else f"auto_wrap_min_params={auto_wrap_min_params}"
+    return root, wrapped_by
 
 
 class NotGatheredParameterError(RuntimeError):
@@ -343,7 +411,7 @@ class NotGatheredParameter(Tensor):
     ) -> Any:
         described = getattr(getattr(func, "__self__", None), "__name__", None) or getattr(func, "__name__", "")
         if described in cls._DESCRIBING or described == "__repr__":
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch_function_subclass_disabled():
                 return func(*args, **(kwargs or {}))
         names = sorted({arg.parameter_name for arg in args if isinstance(arg, NotGatheredParameter)})
         raise NotGatheredParameterError(
@@ -365,13 +433,13 @@ class ViewGuard:
                     continue
                 shapes = dict(zip(param.metadata()[0], param.metadata()[1], strict=True))
                 placeholder_of: dict[tuple[int, str], NotGatheredParameter] = {}
-                for path, owner, name in param._param_infos:
+                for path, owner, name in param_infos(param):
                     full_name = f"{path}.{name}" if path else name
                     display = join_name(prefix, canonical_name(full_name))
                     placeholder = NotGatheredParameter.create(display, shapes[full_name], param.dtype)
                     placeholder_of[(id(owner), name)] = placeholder
                     self._placeholders.append((owner, name, placeholder))
-                for _, _, owner, name, holder, holder_name in param._shared_param_infos:
+                for _, _, owner, name, holder, holder_name in shared_param_infos(param):
                     shared = placeholder_of[(id(holder), holder_name)]  # tied attributes stay one object
                     self._placeholders.append((owner, name, shared))
 
@@ -415,7 +483,7 @@ class UnitCallGuard:
             if found is None or isinstance(module, (FullyShardedDataParallel, FlattenParamsWrapper)):
                 continue
             owns = bool(module._parameters) or any(
-                isinstance(param, FlatParameter) and any(owner is module for _, owner, _ in param._param_infos)
+                isinstance(param, FlatParameter) and any(owner is module for _, owner, _ in param_infos(param))
                 for param in found[1].params
             )
             if owns or any(isinstance(value, NotGatheredParameter) for value in vars(module).values()):
@@ -448,9 +516,9 @@ def unit_view(unit: FlatUnit) -> FairScaleUnitView:
     owners: list[tuple[Module, str]] = []
     shared: list[tuple[Module, str, int]] = []
     if isinstance(param, FlatParameter):
-        owners = [(owner, name) for _, owner, name in param._param_infos]
+        owners = [(owner, name) for _, owner, name in param_infos(param)]
         position = {(id(owner), name): index for index, (owner, name) in enumerate(owners)}
-        for _, _, owner, name, source, source_name in param._shared_param_infos:
+        for _, _, owner, name, source, source_name in shared_param_infos(param):
             shared.append((owner, name, position[(id(source), source_name)]))
     instance = unit.instance
     return FairScaleUnitView(
@@ -472,14 +540,11 @@ def forget_stale_fairscale_groups() -> None:
     group is destroyed and created again (a second run in one process, or a worker forked from a process that ran
     one) the cached groups are dead and every collective on them fails with "Group ... is not registered".
     """
-    cache: dict[Any, Any] | None = vars(get_process_group_cached).get("_global_group_cache")
-    if not cache:
-        return
     try:
-        for group in cache.values():
+        for group in cached_process_groups():
             torch.distributed.get_global_rank(group, 0)
     except (ValueError, RuntimeError):
-        del vars(get_process_group_cached)["_global_group_cache"]
+        drop_cached_process_groups()
 
 
 @contextmanager
@@ -487,10 +552,10 @@ def gradients_kept_as_ddp(root: FullyShardedDataParallel) -> Iterator[None]:
     """Around one backward pass: each parameter's gradient ends as under ``ddp`` (new gradients added to the ones the
     optimizer has not zeroed, a frozen parameter's gradient left alone).
 
-    Before its backward pass, fairscale moves every gradient shard still on a parameter to ``_saved_grad_shard`` (the
-    new reduced gradient is added to it, then moved back to ``.grad``), but it moves it back only for parameters that
-    require gradients. A parameter frozen during the pass (``toggle_optimizer`` of the other optimizer) loses its
-    ``.grad``, and its ``_saved_grad_shard`` stays behind where ``zero_grad()`` cannot reach it: the next backward pass
+    Before its backward pass, fairscale sets aside every gradient shard still on a parameter (the new reduced
+    gradient is added to it, then moved back to ``.grad``), but it moves it back only for parameters that require
+    gradients. A parameter frozen during the pass (``toggle_optimizer`` of the other optimizer) loses its ``.grad``,
+    and the shard set aside stays behind where ``zero_grad()`` cannot reach it: the next backward pass
     that gives it a gradient adds the new gradient to that stale one, and its optimizer steps on the sum (a GAN that
     zeroes gradients before its backward passes, as Lightning's docs do, trains silently wrong). So a shard a
     parameter holds no ``.grad`` for (zeroed since) is dropped before the pass, and a frozen parameter gets its own
@@ -500,30 +565,27 @@ def gradients_kept_as_ddp(root: FullyShardedDataParallel) -> Iterator[None]:
     forget_gradient_arrivals([param for _, param in params])
     synced_before = not getattr(root, "_lightning_strategies_unsynced", False)
     for _, param in params:
-        if param.grad is None and getattr(param, "_saved_grad_shard", None) is not None:
-            delattr(param, "_saved_grad_shard")  # zeroed by the optimizer after the pass that left it
+        if param.grad is None and saved_grad_shard(param) is not None:
+            set_saved_grad_shard(param, None)  # zeroed by the optimizer after the pass that left it
         elif param.grad is not None and synced_before and param.numel() == 1 and param.grad.numel() == 1:
             # A one-element parameter's reduced gradient shard has its full shape, which fairscale takes for a local
             # gradient accumulated under no_sync: it would add the new local gradient to it and reduce the sum again.
             # Set it aside as fairscale does for every other shape.
-            setattr(param, "_saved_grad_shard", param.grad.data)  # noqa: B010
+            set_saved_grad_shard(param, param.grad.data)
             param.grad = None
     try:
         yield None
     finally:
-        vars(root)["_lightning_strategies_unsynced"] = not root._require_backward_grad_sync
+        vars(root)["_lightning_strategies_unsynced"] = not syncs_gradients(root)
         for instance, param in params:
-            saved = getattr(param, "_saved_grad_shard", None)
+            saved = saved_grad_shard(param)
             if saved is None or param.requires_grad:
                 continue
-            delattr(param, "_saved_grad_shard")
+            set_saved_grad_shard(param, None)
             if param.grad is not None:
                 continue
             if param.shape != saved.shape:
                 # No post-backward hook resharded this frozen parameter of the root (the root keeps its frozen
                 # parameters gathered after backward): do what the hook does, so it holds its shard again.
-                instance._free_full_params([param])
-                if instance.mixed_precision:
-                    instance._free_fp16_param_shard([param])
-                instance._use_fp32_param_shard([param])
+                reshard(instance, [param])
             param.grad = saved

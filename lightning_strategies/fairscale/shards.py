@@ -21,7 +21,6 @@ from lightning_strategies.checkpoint import (
     param_group_shapes,
     to_module_keys,
 )
-from lightning_strategies.checkpoint.flat_layout import FAIRSCALE_SEGMENTS, canonical_name, fsdp_instances
 from lightning_strategies.checkpoint.sharded import (
     SHARDED_LAYOUT_KEY,
     SHARDED_LAYOUT_VERSION,
@@ -34,11 +33,13 @@ from lightning_strategies.checkpoint.sharded import (
     save_stamp,
 )
 from lightning_strategies.checkpoint.training_state import holds_optimizer_state
+from lightning_strategies.fairscale._private import lazy_init
+from lightning_strategies.fairscale.layout import FAIRSCALE_SEGMENTS, canonical_name, fsdp_instances
 
-from .sharded_format import ShardedFormat
+from ..strategies.sharded_format import ShardedFormat
 
 if TYPE_CHECKING:
-    from .fairscale_fsdp import FairScaleFSDPStrategy
+    from .fsdp import FairScaleFSDPStrategy
 
 #: The name ``open_sharded`` gives this format.
 FAIRSCALE_LOCAL_SHARDS = "fairscale FSDP local shards"
@@ -144,7 +145,7 @@ class FairScaleLocalShards(ShardedFormat):
         strategy = self.strategy
         root = strategy._root()
         for _, instance in fsdp_instances(root):
-            instance._lazy_init()  # local_state_dict and load_local_state_dict need every instance initialised
+            lazy_init(instance)  # local_state_dict and load_local_state_dict need every instance initialised
         where = self._source
         saved, own = checkpoint.get(SHARDED_LAYOUT_KEY), self.layout()
         try:

@@ -5,24 +5,22 @@ fairscale FSDP assumes CUDA: it creates its streams only when CUDA exists and th
 rejects, and on CPU its optimizer-state gather silently returns ``exp_avg == exp_avg_sq``. The patches below fix
 exactly that. They are applied only where CUDA is absent, only while a strategy runs (``install`` in the worker's
 ``setup_environment``, ``uninstall`` at teardown), and nested installs are counted so the last ``uninstall`` restores
-every original. Each patch has a test that fails without it.
+every original. Each patch has a test that fails without it. The fairscale functions replaced are named in
+:mod:`lightning_strategies.fairscale._private`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
-from unittest import mock
 
-import fairscale.internal.reduce_scatter_bucketer as bucketer_module
-import fairscale.nn.data_parallel.fully_sharded_data_parallel as fsdp_module
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel
 
-_STREAM_NAMES = ("fp32_to_fp16", "all_gather", "post_backward")
+from lightning_strategies.fairscale._private import CPU_PATCH_TARGETS, STREAM_NAMES, is_root, streams
 
 
 class _HostStream:
@@ -48,18 +46,17 @@ class _NormOnHost(torch.Tensor):
         return self.as_subclass(torch.Tensor)
 
 
-_original_setup_streams = FullyShardedDataParallel._setup_streams
+_original_setup_streams = getattr(*CPU_PATCH_TARGETS["setup_streams"])
 _original_record_stream = torch.Tensor.record_stream
-_original_calc_grad_norm = fsdp_module.calc_grad_norm
-_original_gather_optim_state = FullyShardedDataParallel._gather_optim_state
+_original_calc_grad_norm = getattr(*CPU_PATCH_TARGETS["calc_grad_norm"])
+_original_gather_optim_state = getattr(*CPU_PATCH_TARGETS["gather_optim_state"])
 
 
-def _setup_streams(self: FullyShardedDataParallel) -> None:
+def _host_streams_too(self: FullyShardedDataParallel) -> None:
     _original_setup_streams(self)
-    if self._is_root:  # children share the root's dict, so filling it once serves all of them
-        streams: dict[str, Any] = self._streams
-        for name in _STREAM_NAMES:
-            streams.setdefault(name, HOST_STREAM)
+    if is_root(self):  # children share the root's dict, so filling it once serves all of them
+        for name in STREAM_NAMES:
+            streams(self).setdefault(name, HOST_STREAM)
 
 
 def _current_stream(device: Any = None) -> _HostStream:
@@ -76,7 +73,8 @@ def _record_stream(self: torch.Tensor, stream: Any) -> None:
 
 
 def _calc_grad_norm(*args: Any, **kwargs: Any) -> torch.Tensor:
-    return _original_calc_grad_norm(*args, **kwargs).as_subclass(_NormOnHost)
+    norm: torch.Tensor = _original_calc_grad_norm(*args, **kwargs)
+    return norm.as_subclass(_NormOnHost)
 
 
 def _gather_optim_state_one_key_at_a_time(
@@ -121,27 +119,46 @@ class Patch:
 
 
 PATCHES: tuple[Patch, ...] = (
-    Patch("setup_streams", FullyShardedDataParallel, "_setup_streams", _setup_streams, "KeyError: 'all_gather'"),
+    Patch("setup_streams", *CPU_PATCH_TARGETS["setup_streams"], _host_streams_too, "KeyError: 'all_gather'"),
     Patch("current_stream", torch.cuda, "current_stream", _current_stream, "asserts current stream == post_backward"),
     Patch("record_stream", torch.Tensor, "record_stream", _record_stream, "aten::record_stream has no CPU kernel"),
     Patch("synchronize", torch.cuda, "synchronize", _synchronize, "summon_full_params and local loads need CUDA"),
-    Patch("calc_grad_norm", fsdp_module, "calc_grad_norm", _calc_grad_norm, "clip_grad_norm_ moves the norm to CUDA"),
+    Patch(
+        "calc_grad_norm",
+        *CPU_PATCH_TARGETS["calc_grad_norm"],
+        _calc_grad_norm,
+        "clip_grad_norm_ moves the norm to CUDA",
+    ),
     Patch(
         "list_collectives",
-        bucketer_module,
-        "enable_nccl_base_collectives",
+        *CPU_PATCH_TARGETS["list_collectives"],
         False,
         "gloo rejects the reduce-scatter bucket's 2-D input",
     ),
     Patch(
         "gather_optim_state",
-        FullyShardedDataParallel,
-        "_gather_optim_state",
+        *CPU_PATCH_TARGETS["gather_optim_state"],
         _gather_optim_state_one_key_at_a_time,
         "gathered exp_avg == exp_avg_sq",
     ),
 )
 PIN_MEMORY_PATCH = Patch("pin_memory", torch.Tensor, "pin_memory", _pin_memory, "pinning needs an accelerator")
+
+_ABSENT = object()
+
+
+def _replace(patch: Patch) -> Callable[[], None]:
+    """Installs one patch; returns what undoes it (an attribute the target only inherited is deleted again)."""
+    own = vars(patch.target).get(patch.attribute, _ABSENT)
+    setattr(patch.target, patch.attribute, patch.replacement)
+
+    def restore() -> None:
+        if own is _ABSENT:
+            delattr(patch.target, patch.attribute)
+        else:
+            setattr(patch.target, patch.attribute, own)
+
+    return restore
 
 
 class _Installation:
@@ -159,7 +176,7 @@ class _Installation:
                 chosen = PATCHES + ((PIN_MEMORY_PATCH,) if pin_memory else ())
                 for patch in chosen:
                     if patch.name not in skip:
-                        stack.enter_context(mock.patch.object(patch.target, patch.attribute, patch.replacement))
+                        stack.callback(_replace(patch))  # undone in reverse order when the stack closes
                 self._stack = stack
             self._depth += 1
             return True

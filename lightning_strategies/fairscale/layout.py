@@ -21,11 +21,28 @@ from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
 from lightning_strategies.checkpoint.model_state import COMPILED_SEGMENT, strip_wrapper_segments
+from lightning_strategies.fairscale._private import (
+    FAIRSCALE_SEGMENTS,
+    fp32_shard,
+    original_size,
+    shared_param_infos,
+)
 
 FSDP = FullyShardedDataParallel
 
-# Attribute names fairscale puts into module paths: FSDP's wrapped module and the flatten wrapper's module.
-FAIRSCALE_SEGMENTS = ("_fsdp_wrapped_module", "_fpw_module")
+__all__ = [
+    "FAIRSCALE_SEGMENTS",
+    "FlatUnit",
+    "OptimizerLayout",
+    "canonical_name",
+    "flat_units",
+    "fsdp_instances",
+    "join_name",
+    "optimizer_layout",
+    "parameter_names",
+    "persistent_buffers",
+    "tied_aliases",
+]
 
 _NAMES_SHOWN = 3  # parameters an error message names per param group; the rest are counted
 
@@ -74,7 +91,7 @@ def tied_aliases(module: Module) -> dict[str, str]:
     """The second and further names of tied parameters, each mapped to the name that holds the parameter.
 
     Works before wrapping (a plain module registers one parameter under several names) and after (a flat parameter
-    records the names it shares in ``_shared_param_infos``; an unflattened sharded parameter stays registered under
+    records the names it shares; an unflattened sharded parameter stays registered under
     each name).
     """
     aliases: dict[str, str] = {}
@@ -86,7 +103,7 @@ def tied_aliases(module: Module) -> dict[str, str]:
             aliases[canonical] = holder
     for prefix, instance in fsdp_instances(module):
         for param in instance.params:
-            for alias_module, holder_module, _, alias, _, holder in getattr(param, "_shared_param_infos", ()):
+            for alias_module, holder_module, _, alias, _, holder in shared_param_infos(param):
                 alias_name = join_name(prefix, canonical_name(join_name(alias_module, alias)))
                 aliases[alias_name] = join_name(prefix, canonical_name(join_name(holder_module, holder)))
     return aliases
@@ -117,11 +134,11 @@ class FlatUnit:
     def local_shard(self) -> Tensor:
         """This rank's shard of the parameter's values.
 
-        FSDP keeps it as ``_fp32_shard``; ``param.data`` is the same tensor between steps, except for a frozen
+        FSDP keeps it as its fp32 shard; ``param.data`` is the same tensor between steps, except for a frozen
         parameter of the root instance: no post-backward hook ever reshards it, so its data stays the full tensor.
         """
-        shard = getattr(self.param, "_fp32_shard", None)
-        return shard if isinstance(shard, Tensor) else self.param.data
+        shard = fp32_shard(self.param)
+        return shard if shard is not None else self.param.data
 
 
 def flat_units(root: FSDP) -> list[FlatUnit]:
@@ -131,10 +148,7 @@ def flat_units(root: FSDP) -> list[FlatUnit]:
     for _, instance in fsdp_instances(root):
         for param in instance.params:
             # A flat parameter lists what it holds; a sharded original parameter remembers its full size.
-            if isinstance(param, FlatParameter):
-                shapes = list(param.metadata()[1])
-            else:
-                shapes = [torch.Size(getattr(param, "_orig_size"))]  # noqa: B009
+            shapes = list(param.metadata()[1]) if isinstance(param, FlatParameter) else [original_size(param)]
             units.append(FlatUnit(param, names[id(param)], shapes, instance))
     return units
 

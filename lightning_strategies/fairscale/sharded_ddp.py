@@ -21,12 +21,20 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_strategies.checkpoint import shallow_copy_state
+from lightning_strategies.fairscale._private import (
+    accumulates_gradients,
+    owned_trainable_params,
+    param_indices,
+    param_owners,
+    reset_reduction_bookkeeping,
+    world_size_scaling,
+)
 
 from .._lightning import CheckpointIO, ClusterEnvironment, Precision, pl
-from .base import DirectReferenceStrategy, StartMethod
-from .full_gradients import owners_gradients_on_every_rank
-from .launcher import HandBack
-from .optimizers import OptimizerNeed, refuse_unsupported_optimizers, retarget_schedulers, twin_optimizer
+from ..strategies.base import DirectReferenceStrategy, StartMethod
+from ..strategies.full_gradients import owners_gradients_on_every_rank
+from ..strategies.launcher import HandBack
+from ..strategies.optimizers import OptimizerNeed, refuse_unsupported_optimizers, retarget_schedulers, twin_optimizer
 
 # Keyword arguments ShardedDataParallel accepts besides the module and the optimizers it builds from.
 SHARDED_DDP_KWARGS = frozenset(inspect.signature(ShardedDataParallel.__init__).parameters) - {
@@ -273,12 +281,12 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
         self._prescaled_gradients = []
         if not isinstance(wrapper, ShardedDataParallel) or not wrapper.training:
             return
-        if not wrapper._should_accumulate_grads:
-            wrapper._clear_counters()
+        if not accumulates_gradients(wrapper):
+            reset_reduction_bookkeeping(wrapper)
         for param, averaged in self._averaged_gradients.items():
             grad = param.grad
             if grad is not None and grad is averaged():  # not dropped or replaced by zero_grad since it was reduced
-                grad.div_(wrapper._world_size_scaling)
+                grad.div_(world_size_scaling(wrapper))
                 self._prescaled_gradients.append(param)
         self._averaged_gradients = {}
 
@@ -286,16 +294,16 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
         wrapper = self.model
-        if not isinstance(wrapper, ShardedDataParallel) or not wrapper.training or wrapper._should_accumulate_grads:
+        if not isinstance(wrapper, ShardedDataParallel) or not wrapper.training or accumulates_gradients(wrapper):
             return
         prescaled = {id(param) for param in self._prescaled_gradients}
-        for index, param in enumerate(wrapper._trainable_params):
-            if param.grad is None or wrapper._trainable_param_to_rank[param] != wrapper._global_rank:
+        for _, param, to_be_reduced in owned_trainable_params(wrapper):
+            if param.grad is None:
                 continue
-            if not wrapper._grad_to_be_reduced[index]:  # reduced in this pass: an average from now on
+            if not to_be_reduced:  # reduced in this pass: an average from now on
                 self._averaged_gradients[param] = weakref.ref(param.grad)
             elif id(param) in prescaled:  # not reduced in this pass: back to the average it was
-                param.grad.mul_(wrapper._world_size_scaling)
+                param.grad.mul_(world_size_scaling(wrapper))
                 self._averaged_gradients[param] = weakref.ref(param.grad)
         self._prescaled_gradients = []
         if self._reached_hooks:
@@ -319,7 +327,7 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
             return
         owner_of: dict[Tensor, int] = {}
         for optimizer in oss:
-            owner_of.update(optimizer._param_to_rank)
+            owner_of.update(param_owners(optimizer))
         params = list(
             dict.fromkeys(
                 param
@@ -362,7 +370,7 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
         # Each rank owns the whole state of some parameters. The owners send it to rank 0 one tensor at a time
         # (OSS's own consolidation broadcasts every rank's pickled shard to every rank: N-fold copies), keyed by the
         # parameter's index over all groups, which is the canonical layout.
-        index_of: dict[int, int] = optimizer._param_to_index
+        index_of = param_indices(optimizer)
         owned = {index_of[id(param)]: entries for param, entries in optimizer.optim.state.items()}
         described = {
             index: {
