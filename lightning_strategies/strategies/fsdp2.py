@@ -6,11 +6,9 @@ API, and sharded checkpoints through ``torch.distributed.checkpoint`` that resha
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from itertools import chain
 from typing import Any, Literal
 
 import torch
@@ -23,8 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -40,6 +37,7 @@ from .._lightning import CheckpointIO, ClusterEnvironment, Precision, pl
 from .._torch_private import composable_activation_checkpoint
 from .base import DirectReferenceStrategy, StartMethod
 from .dtensor_state import load_into_module, local_parts
+from .fsdp2_sharding import is_sharded, on_device, shard_kwargs, shard_module, step_bypassed_the_module
 from .fsdp2_shards import DcpShards
 from .full_gradients import full_dtensor_gradients
 from .gather import gather_to_rank0
@@ -66,28 +64,6 @@ _REFUSED_OPTIMIZER_NEEDS = {
     ),
     OptimizerNeed.SPARSE_GRADIENTS: "fully_shard reduces and shards gradients as dense DTensors",
 }
-
-
-def _is_sharded(module: Module) -> bool:
-    return isinstance(module, FSDPModule)
-
-
-def _can_be_sharded_alone(submodule: Module, uses: Counter[int]) -> bool:
-    """Whether ``fully_shard(submodule)`` keeps the model's meaning.
-
-    Not for containers without a ``forward`` (``ModuleList``, ``ModuleDict``: ``fully_shard`` refuses them, since
-    it gathers parameters in a forward hook), nor for a submodule whose parameters are also used outside it (a tied
-    weight: ``fully_shard`` refuses to put one parameter in two groups). Their parameters go to the nearest sharded
-    ancestor that holds every user (in the end the root), as fairscale's auto-wrapping of this package does.
-    """
-    if type(submodule).forward is Module.forward:
-        return False
-    inside = Counter(id(param) for _, param in submodule.named_parameters(remove_duplicate=False))
-    return all(count == uses[key] for key, count in inside.items())
-
-
-def _on(module: Module, device: torch.device) -> bool:
-    return all(tensor.device == device for tensor in chain(module.parameters(), module.buffers()))
 
 
 class FSDP2Strategy(DirectReferenceStrategy):
@@ -257,58 +233,14 @@ class FSDP2Strategy(DirectReferenceStrategy):
         return output
 
     def _step_bypassed_the_module(self, method_name: str) -> str:
-        module = self.require_lightning_module()
-        units = [repr(name) for name, submodule in module.named_modules() if name and _is_sharded(submodule)]
-        named = ", ".join(units[:5]) + (" ..." if len(units) > 5 else "")
-        inner = (
-            f" The modules sharded on their own below the LightningModule ({named}) gather their parameters only in"
-            " their own forward: a step that calls a submodule or method of one of them (`self.model.encoder(x)`)"
-            " leaves them sharded. Call the sharded module itself (`self.model(x)`), or choose other units"
-            " (shard_module_classes, min_num_params, or fully_shard in configure_model)."
-            if units
-            else ""
-        )
-        return (
-            f"{type(self).__name__}: {method_name} computed with parameters that are still sharded.{inner} Parameters"
-            f" used directly (`x @ self.encoder.weight`): call their module (`self(...)`, `self.encoder(x)`) in"
-            f" {method_name} instead, not their `forward` methods."
-        )
-
-    def _shard_kwargs(self) -> dict[str, Any]:
-        offload: OffloadPolicy = (
-            CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self._cpu_offload else OffloadPolicy()
-        )
-        return {
-            "mesh": self.device_mesh,
-            "reshard_after_forward": self._reshard_after_forward,
-            "mp_policy": self._mixed_precision,
-            "offload_policy": offload,
-        }
-
-    def _chosen(self, submodule: Module, uses: Counter[int]) -> bool:
-        if _is_sharded(submodule) or not _can_be_sharded_alone(submodule, uses):
-            return False
-        if self._shard_module_classes and isinstance(submodule, self._shard_module_classes):
-            return True
-        if self._min_num_params is None:
-            return False
-        unsharded = sum(p.numel() for p in submodule.parameters() if not isinstance(p, DTensor))
-        return unsharded >= self._min_num_params
+        return step_bypassed_the_module(type(self).__name__, self.require_lightning_module(), method_name)
 
     def _shard(self, module: pl.LightningModule) -> None:
-        if _is_sharded(module):
-            return  # sharded by the user in configure_model, or by an earlier run in this process
-        checkpoint = composable_activation_checkpoint()  # present: the constructor refused the option otherwise
-        for submodule in module.modules():
-            if checkpoint is not None and isinstance(submodule, self._activation_checkpointing):
-                checkpoint(submodule)
-        kwargs = self._shard_kwargs()
-        uses = Counter(id(param) for _, param in module.named_parameters(remove_duplicate=False))
-        # Post-order (children before their parents), so a parent only takes what its children left unsharded.
-        for submodule in reversed(list(module.modules())[1:]):
-            if self._chosen(submodule, uses):
-                fully_shard(submodule, **kwargs)
-        fully_shard(module, **kwargs)
+        device = self.root_device
+        kwargs = shard_kwargs(
+            self.device_mesh, self._reshard_after_forward, self._mixed_precision, self._cpu_offload, device
+        )
+        shard_module(module, kwargs, self._shard_module_classes, self._min_num_params, self._activation_checkpointing)
 
     @override
     def model_to_device(self) -> None:
@@ -317,7 +249,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         module = self.require_lightning_module()
         if has_meta_tensors(module):  # fully_shard moves the others; the meta ones get memory after sharding
             return
-        if _is_sharded(module) and _on(module, self.root_device):
+        if is_sharded(module) and on_device(module, self.root_device):
             # Sharded by an earlier run in this process (`trainer.test` after `trainer.fit`): `.to()` would swap every
             # DTensor parameter for itself, which torch refuses inside `torch.inference_mode()`.
             return
