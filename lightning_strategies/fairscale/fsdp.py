@@ -49,7 +49,7 @@ from .flat_state import (
     load_optimizer_state,
     unshard_into_module,
 )
-from .gradients import GradientlessCheck, clip_by_total_norm, gradients_set_aside
+from .gradients import GradientlessCheck, clip_by_total_norm, gradients_kept_as_ddp, gradients_set_aside
 from .options import REFUSED_OPTIMIZER_NEEDS, refuse_unknown_fsdp_kwargs
 from .shards import FairScaleLocalShards
 from .wrap import (
@@ -60,7 +60,6 @@ from .wrap import (
     by_param_group,
     by_requires_grad,
     forget_stale_fairscale_groups,
-    gradients_kept_as_ddp,
     unit_view,
     wrap_model,
 )

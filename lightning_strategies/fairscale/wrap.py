@@ -40,11 +40,7 @@ from lightning_strategies.fairscale._private import (
     lazy_init,
     param_infos,
     replace_flatten_wrapper,
-    reshard,
-    saved_grad_shard,
-    set_saved_grad_shard,
     shared_param_infos,
-    syncs_gradients,
     use_fp32_param_shard,
 )
 from lightning_strategies.fairscale.layout import (
@@ -56,6 +52,7 @@ from lightning_strategies.fairscale.layout import (
 )
 
 from ..strategies.full_gradients import FairScaleUnitView
+from .gradients import record_gradient_arrivals
 
 ParamClass = Callable[[Parameter], Hashable]
 
@@ -100,68 +97,7 @@ class _ClassifiedFlattenParamsWrapper(FlattenHooks):
         super().unflatten_params_as_views()
         if torch.is_grad_enabled():
             for flat in self.flat_params:
-                _record_gradient_arrivals(flat)
-
-
-_ARRIVED = "_lightning_strategies_arrived"
-
-
-def _arrive(arrived: list[bool], index: int, grad: Tensor) -> None:
-    arrived[index] = True
-
-
-def _arrive_at_split(arrived: list[bool], grad_inputs: Any, grad_outputs: Any) -> None:
-    for index, grad in enumerate(grad_outputs):
-        if grad is not None:  # autograd passes None for a split output that no gradient reached
-            arrived[index] = True
-
-
-def _record_gradient_arrivals(flat: Parameter) -> None:
-    """Hooks the forward pass's views of ``flat``: each original parameter a gradient reaches is marked as having
-    received one (reset by :func:`forget_gradient_arrivals` before a backward pass that starts from no gradient).
-
-    Only flat parameters that hold several original parameters are tracked: a zero slice of a flat gradient cannot
-    tell "no gradient" (which ddp leaves alone) from "a zero gradient" (which weight decay still moves). The views are
-    ``flat.split(numels)`` reshaped: one hook on that split's backward node sees which of its outputs got a gradient
-    (one hook per flat parameter and forward pass); where the graph looks otherwise, one hook per view.
-    """
-    infos = param_infos(flat)
-    if not flat.requires_grad or len(infos) < 2:
-        return
-    arrived: list[bool] = vars(flat).setdefault(_ARRIVED, [False] * len(infos))
-    views = [getattr(owner, name, None) for _, owner, name in (infos[0], infos[-1])]
-    nodes = [_split_node(view) for view in views]
-    if nodes[0] is not None and nodes[0] is nodes[1]:
-        nodes[0].register_hook(partial(_arrive_at_split, arrived))
-        return
-    for index, (_, owner, name) in enumerate(infos):
-        view = getattr(owner, name, None)
-        if isinstance(view, Tensor) and view.requires_grad and view.grad_fn is not None:
-            view.register_hook(partial(_arrive, arrived, index))  # type: ignore[no-untyped-call]
-
-
-def _split_node(view: Any) -> Any:
-    """The backward node of the split a parameter view was cut from, or ``None``."""
-    node = getattr(view, "grad_fn", None)
-    if node is None or type(node).__name__ != "ViewBackward0" or not node.next_functions:
-        return None
-    split = node.next_functions[0][0]
-    return split if split is not None and type(split).__name__.startswith("SplitWithSizesBackward") else None
-
-
-def gradient_arrivals(flat: Parameter) -> list[bool] | None:
-    """For a tracked flat parameter, whether each original parameter it holds received a gradient on this rank since
-    its gradient was last ``None`` (``None``: not tracked: one original parameter, or never in a forward pass)."""
-    arrived: list[bool] | None = vars(flat).get(_ARRIVED)
-    return arrived
-
-
-def forget_gradient_arrivals(params: Iterator[Parameter] | list[Parameter]) -> None:
-    """Before a backward pass: a flat parameter whose gradient is ``None`` (zeroed) starts with no arrivals again."""
-    for param in params:
-        arrived: list[bool] | None = vars(param).get(_ARRIVED)
-        if arrived is not None and param.grad is None:
-            arrived[:] = [False] * len(arrived)
+                record_gradient_arrivals(flat)
 
 
 @contextmanager
@@ -545,47 +481,3 @@ def forget_stale_fairscale_groups() -> None:
             torch.distributed.get_global_rank(group, 0)
     except (ValueError, RuntimeError):
         drop_cached_process_groups()
-
-
-@contextmanager
-def gradients_kept_as_ddp(root: FullyShardedDataParallel) -> Iterator[None]:
-    """Around one backward pass: each parameter's gradient ends as under ``ddp`` (new gradients added to the ones the
-    optimizer has not zeroed, a frozen parameter's gradient left alone).
-
-    Before its backward pass, fairscale sets aside every gradient shard still on a parameter (the new reduced
-    gradient is added to it, then moved back to ``.grad``), but it moves it back only for parameters that require
-    gradients. A parameter frozen during the pass (``toggle_optimizer`` of the other optimizer) loses its ``.grad``,
-    and the shard set aside stays behind where ``zero_grad()`` cannot reach it: the next backward pass
-    that gives it a gradient adds the new gradient to that stale one, and its optimizer steps on the sum (a GAN that
-    zeroes gradients before its backward passes, as Lightning's docs do, trains silently wrong). So a shard a
-    parameter holds no ``.grad`` for (zeroed since) is dropped before the pass, and a frozen parameter gets its own
-    gradient back after it.
-    """
-    params = [(instance, param) for _, instance in fsdp_instances(root) for param in instance.params]
-    forget_gradient_arrivals([param for _, param in params])
-    synced_before = not getattr(root, "_lightning_strategies_unsynced", False)
-    for _, param in params:
-        if param.grad is None and saved_grad_shard(param) is not None:
-            set_saved_grad_shard(param, None)  # zeroed by the optimizer after the pass that left it
-        elif param.grad is not None and synced_before and param.numel() == 1 and param.grad.numel() == 1:
-            # A one-element parameter's reduced gradient shard has its full shape, which fairscale takes for a local
-            # gradient accumulated under no_sync: it would add the new local gradient to it and reduce the sum again.
-            # Set it aside as fairscale does for every other shape.
-            set_saved_grad_shard(param, param.grad.data)
-            param.grad = None
-    try:
-        yield None
-    finally:
-        vars(root)["_lightning_strategies_unsynced"] = not syncs_gradients(root)
-        for instance, param in params:
-            saved = saved_grad_shard(param)
-            if saved is None or param.requires_grad:
-                continue
-            set_saved_grad_shard(param, None)
-            if param.grad is not None:
-                continue
-            if param.shape != saved.shape:
-                # No post-backward hook resharded this frozen parameter of the root (the root keeps its frozen
-                # parameters gathered after backward): do what the hook does, so it holds its shard again.
-                reshard(instance, [param])
-            param.grad = saved

@@ -8,7 +8,8 @@ and the one module that imports Lightning (``_lightning``) reads from its name t
 ``lightning.pytorch`` and ``lightning.fabric``. One implementation, two bindings, no copy of the logic.
 
 Shared by both bindings (they never import Lightning): ``lightning_strategies.checkpoint`` (formats, checks and the
-errors they raise) and ``lightning_strategies.fairscale_cpu``.
+errors they raise), ``lightning_strategies._torch_private`` and ``lightning_strategies.fairscale``'s ``_private``,
+``cpu`` and ``layout``.
 
 Example::
 
