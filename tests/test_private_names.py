@@ -29,24 +29,22 @@ PRIVATE = re.compile(r"_[A-Za-z0-9]\w*\Z")
 #: The package's own names that Lightning happens to use too: allowed on ``self``/``super()`` and as methods only.
 OWN = {
     "_after_closure": "DirectReferenceStrategy's hook that runs in place of the precision plugin's",
+    "_connector": "RequeueAtStepBoundary's reference to the signal connector",
     "_device_mesh": "FSDP2Strategy's mesh",
     "_fsdp_kwargs": "FairScaleFSDPStrategy's wrapper options",
+    "_handles": "the fairscale wrapping's hook handles",
+    "_lock": "fairscale_cpu's lock",
     "_num_nodes": "DirectReferenceStrategy's node count (ParallelStrategy has none)",
     "_process_group_backend": "DirectReferenceStrategy's backend (ParallelStrategy has none)",
     "_start_method": "DirectReferenceStrategy's start method",
     "_state_dict_type": "CheckpointFlow's full/sharded choice",
     "_step": "DirectReferenceStrategy's step runner",
     "_timeout": "DirectReferenceStrategy's collective timeout",
-    "_connector": "RequeueAtStepBoundary's reference to the signal connector",
 }
 #: fairscale's and torch's private names that Lightning also defines: those have homes of their own.
 OTHER_LIBRARIES = {
     "_device": "torch's GradScaler",
-    "_get_default_group": "torch.distributed",
     "_global_rank": "fairscale's OSS",
-    "_handles": "the fairscale wrapping's hook handles",
-    "_lock": "fairscale_cpu's lock",
-    "_metadata": "torch's state dict metadata",
 }
 #: Uses in modules that other work is reshaping; each has its function in ``_lightning`` already. Remove when done.
 PENDING = {
