@@ -3,7 +3,8 @@
 When Lightning renames a private attribute, method or hook, what breaks must show in one place. Outside
 ``_lightning.py`` no module of the package reaches into Lightning's objects by a private name: no ``x._name``
 attribute, no ``"_name"`` string (``getattr``, ``vars(x)[...]``), no override of a private method that
-``_lightning.OVERRIDDEN_PRIVATE_METHODS`` does not list. Names imported from ``_lightning`` are named there.
+``_lightning.OVERRIDDEN_PRIVATE_METHODS`` does not list, no private name imported from Lightning. Names imported from
+``_lightning`` are named there.
 
 Lightning's private names are those its installed source defines (functions, classes, attributes it assigns). A few
 coincide with names of the package's own classes, or with fairscale's and torch's (which have homes of their own);
@@ -61,7 +62,8 @@ LIGHTNING_SOURCES = (("pytorch_lightning", ("",)), ("lightning_fabric", ("",)), 
 class Use:
     name: str
     line: int
-    kind: str  # "attribute" (x._name), "own" (self._name, super()._name), "string" ("_name"), "method" (def _name)
+    kind: str  # "attribute" (x._name), "own" (self._name, super()._name), "string" ("_name"), "method" (def _name),
+    # "import" (from pytorch_lightning... import _name)
 
 
 def _defined_private_names(tree: ast.AST) -> set[str]:
@@ -90,6 +92,10 @@ def lightning_private_names() -> frozenset[str]:
     return frozenset(names)
 
 
+def _is_lightning(module: str) -> bool:
+    return any(module == package or module.startswith(f"{package}.") for package, _ in LIGHTNING_SOURCES)
+
+
 def _on_self(node: ast.expr) -> bool:
     if isinstance(node, ast.Name):
         return node.id in ("self", "cls")
@@ -106,6 +112,8 @@ def private_uses(source: str) -> list[Use]:
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and PRIVATE.match(node.value):
             if not node.value.startswith("__"):
                 uses.append(Use(node.value, node.lineno, "string"))
+        elif isinstance(node, ast.ImportFrom) and _is_lightning(node.module or ""):
+            uses.extend(Use(alias.name, node.lineno, "import") for alias in node.names if PRIVATE.match(alias.name))
         elif isinstance(node, ast.ClassDef):
             for item in node.body:
                 is_method = isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
@@ -141,7 +149,7 @@ def test_no_module_but_lightning_py_uses_a_private_name_of_lightning() -> None:
 
 
 def test_the_check_itself_finds_private_names_of_lightning() -> None:
-    source = """
+    source = """from lightning.fabric.utilities.distributed import _distributed_is_initialized
 class Strategy(Base):
     def _configure_launcher(self):
         self._launcher = None
@@ -149,6 +157,7 @@ class Strategy(Base):
         return model._trainer, vars(plugin)["_after_closure"], self._step
 """
     assert offences(source) == [
+        "line 1: _distributed_is_initialized (import)",
         "line 4: _launcher (own)",
         "line 5: _setup_model (method)",
         "line 6: _after_closure (string)",

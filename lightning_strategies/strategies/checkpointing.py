@@ -77,7 +77,7 @@ class CheckpointFlow(ParallelStrategy):
     #: strategies that save sharded take it as an option (see :meth:`_checked_state_dict_type`).
     _state_dict_type: StateDictType = "full"
 
-    if TYPE_CHECKING:  # provided by DirectReferenceStrategy
+    if TYPE_CHECKING:  # provided by the strategy: DirectReferenceStrategy and its FailureHandling
         strategy_name: ClassVar[str]
         _checkpoint_source: str  # names what is being restored, in every error message
         _sharded_reader: ShardedFormat | None  # the format restoring the directory being loaded
