@@ -1,4 +1,9 @@
-"""The one module that imports Lightning; every other module takes Lightning's names from here.
+"""The one module that imports Lightning, and the one that names Lightning's internals.
+
+Every other module takes Lightning's names from here, public and private alike. Below the imports, each private
+attribute, method or hook of Lightning that the package reads, patches or overrides is named once, in a small function
+or constant with the reason it is needed: when Lightning renames one, what breaks is listed in this file
+(``tests/test_private_names.py`` fails on a Lightning private name used anywhere else).
 
 Which package the names come from depends on the copy of the code this module belongs to (see ``_flavour``):
 ``pytorch_lightning``/``lightning_fabric`` under ``lightning_strategies``, ``lightning.pytorch``/``lightning.fabric``
@@ -9,7 +14,10 @@ generated from the same source, so their signatures agree.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from torch.optim import Optimizer
 
 from ._flavour import flavour_of
 
@@ -36,6 +44,7 @@ if TYPE_CHECKING:
     from pytorch_lightning.callbacks import ModelCheckpoint
     from pytorch_lightning.core.optimizer import LightningOptimizer
     from pytorch_lightning.overrides.distributed import _sync_module_states
+    from pytorch_lightning.plugins import LayerSync
     from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
     from pytorch_lightning.plugins.io.wrapper import _WrappingCheckpointIO
     from pytorch_lightning.plugins.precision import Precision
@@ -66,6 +75,7 @@ else:
     _PATH = _load(_FABRIC, "utilities.types", "_PATH")
     ModelCheckpoint = _load(_PYTORCH, "callbacks", "ModelCheckpoint")
     LightningOptimizer = _load(_PYTORCH, "core.optimizer", "LightningOptimizer")
+    LayerSync = _load(_PYTORCH, "plugins", "LayerSync")
     _sync_module_states = _load(_PYTORCH, "overrides.distributed", "_sync_module_states")
     TorchCheckpointIO = _load(_PYTORCH, "plugins.io", "TorchCheckpointIO")
     AsyncCheckpointIO = _load(_PYTORCH, "plugins.io", "AsyncCheckpointIO")
@@ -84,6 +94,9 @@ else:
     LRSchedulerConfig = _load(_PYTORCH, "utilities.types", "LRSchedulerConfig")
 
 
+# ------------------------------------------------------------------ Lightning's internals, each named once
+
+
 def evaluate_under_no_grad(trainer: pl.Trainer) -> None:
     """Runs the trainer's validation, test and predict loops under ``torch.no_grad()`` instead of inference mode.
 
@@ -94,13 +107,135 @@ def evaluate_under_no_grad(trainer: pl.Trainer) -> None:
         loop.inference_mode = False
 
 
+#: Private methods of Lightning's classes that the package's classes override: Lightning offers no public hook there.
+#: ``Strategy._configure_launcher`` picks the launcher (``DirectReferenceStrategy``: the subprocess launcher, or one
+#: that hands canonical state back); the ``_MultiProcessingLauncher`` methods run a worker and hand its results back
+#: (``CanonicalStateLauncher``). A test checks that Lightning still has each one.
+OVERRIDDEN_PRIVATE_METHODS: dict[type[Any], tuple[str, ...]] = {
+    Strategy: ("_configure_launcher",),
+    _MultiProcessingLauncher: ("_wrapping_function", "_collect_rank_zero_results", "_recover_results_in_main_process"),
+}
+
+#: The attribute of the Trainer's signal connector holding SLURM's requeue handler, which ``RequeueAtStepBoundary``
+#: shadows on the instance so that the requeue save waits for a step boundary.
+REQUEUE_HANDLER_ATTRIBUTE = "_slurm_sigusr_handler_fn"
+
+
+def trainer_of(module: pl.LightningModule) -> pl.Trainer | None:
+    """The Trainer ``module`` is attached to, or ``None`` (``module.trainer`` raises when there is none)."""
+    return module._trainer
+
+
+def raw_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The optimizer a ``LightningOptimizer`` wraps (manual optimization hands those out); others as they are."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def set_device_mesh(module: pl.LightningModule, mesh: Any) -> None:
+    """Gives ``module`` the device mesh its ``device_mesh`` property returns (read in ``configure_model``)."""
+    module._device_mesh = mesh
+
+
+def set_launcher(strategy: Strategy, launcher: Any) -> None:
+    """Sets the launcher a strategy's ``_configure_launcher`` picked (``strategy.launcher`` reads it)."""
+    strategy._launcher = launcher
+
+
+def launched_strategy(launcher: _MultiProcessingLauncher) -> ParallelStrategy:
+    """The strategy whose processes ``launcher`` starts."""
+    return launcher._strategy
+
+
+def given_checkpoint_io(strategy: Strategy) -> CheckpointIO | None:
+    """The checkpoint IO plugin given to ``strategy`` (``None`` before one is given or made)."""
+    return strategy._checkpoint_io
+
+
+def set_checkpoint_io(strategy: Strategy, io: CheckpointIO) -> None:
+    """Gives ``strategy`` its checkpoint IO plugin (what Lightning's setter does, also from a subclass's property)."""
+    strategy._checkpoint_io = io
+
+
+def given_precision_plugin(strategy: Strategy) -> Precision | None:
+    """The precision plugin instance ``strategy`` owns, or ``None`` (``strategy.precision_plugin`` makes a new one)."""
+    return strategy._precision_plugin
+
+
+def layer_sync_of(strategy: ParallelStrategy) -> LayerSync | None:
+    """The layer sync (e.g. ``SyncBatchNorm`` conversion) the Trainer gave ``strategy``, or ``None``."""
+    return strategy._layer_sync
+
+
+def checkpoint_connector(trainer: pl.Trainer) -> Any | None:
+    """The Trainer's checkpoint connector, whose ``resume_start`` starts every restore (``None`` if it has none)."""
+    return getattr(trainer, "_checkpoint_connector", None)
+
+
+def dump_checkpoint(trainer: pl.Trainer, weights_only: bool) -> dict[str, Any]:
+    """The checkpoint ``trainer.save_checkpoint`` would write now, as a dict (every rank runs the dump's hooks)."""
+    dumped: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(weights_only)
+    return dumped
+
+
+def signal_connector(trainer: Any) -> Any | None:
+    """The Trainer's signal connector (which holds SLURM's requeue handler), or ``None``."""
+    return getattr(trainer, "_signal_connector", None)
+
+
+def last_saved_checkpoint(callback: Any) -> str:
+    """The path a ``ModelCheckpoint`` saved last (``""`` when none, or for other checkpoint callbacks)."""
+    return str(getattr(callback, "_last_checkpoint_saved", "") or "")
+
+
+def route_precision_plugin(
+    plugin: Precision,
+    clip_grad_by_norm: Callable[[Optimizer, int | float], None] | None,
+    after_closure: Callable[[pl.LightningModule, Any], None] | None,
+) -> None:
+    """Makes the plugin instance a strategy owns call the strategy where Lightning offers strategies no hook.
+
+    Args:
+        plugin: The strategy's own precision plugin instance (the class and other instances are untouched).
+        clip_grad_by_norm: Replaces the plugin's norm clipping (``None``: kept).
+        after_closure: Replaces ``Precision._after_closure``, which runs ``on_before_optimizer_step`` and clips
+            gradients after the closure (``None``: kept).
+    """
+    if clip_grad_by_norm is not None:
+        vars(plugin)["clip_grad_by_norm"] = clip_grad_by_norm
+    if after_closure is not None:
+        vars(plugin)["_after_closure"] = after_closure
+
+
+def unroute_precision_plugin(plugin: Precision) -> None:
+    """Undoes :func:`route_precision_plugin`: the plugin's own methods again."""
+    vars(plugin).pop("clip_grad_by_norm", None)
+    vars(plugin).pop("_after_closure", None)
+
+
+def call_before_optimizer_step_hooks(trainer: pl.Trainer, optimizer: Any) -> None:
+    """Runs ``on_before_optimizer_step`` of the callbacks, then of the LightningModule, as ``_after_closure`` does."""
+    _trainer_call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+    _trainer_call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+
+
+def clip_gradients(plugin: Precision, model: pl.LightningModule, optimizer: Any, trainer: pl.Trainer) -> None:
+    """Clips gradients with the Trainer's ``gradient_clip_val`` and ``gradient_clip_algorithm``, as
+    ``_after_closure`` does."""
+    plugin._clip_gradients(
+        model, optimizer, trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm
+    )
+
+
 __all__ = [
     "FLAVOUR",
+    "OVERRIDDEN_PRIVATE_METHODS",
+    "REQUEUE_HANDLER_ATTRIBUTE",
     "_PATH",
     "AsyncCheckpointIO",
     "CheckpointIO",
     "ClusterEnvironment",
     "LRSchedulerConfig",
+    "LayerSync",
     "LightningOptimizer",
     "ModelCheckpoint",
     "ParallelStrategy",
@@ -123,8 +258,25 @@ __all__ = [
     "_sync_ddp_if_available",
     "_sync_module_states",
     "_trainer_call",
+    "call_before_optimizer_step_hooks",
+    "checkpoint_connector",
+    "clip_gradients",
+    "dump_checkpoint",
     "evaluate_under_no_grad",
+    "given_checkpoint_io",
+    "given_precision_plugin",
     "is_overridden",
+    "last_saved_checkpoint",
+    "launched_strategy",
+    "layer_sync_of",
     "pl",
+    "raw_optimizer",
     "reset_seed",
+    "route_precision_plugin",
+    "set_checkpoint_io",
+    "set_device_mesh",
+    "set_launcher",
+    "signal_connector",
+    "trainer_of",
+    "unroute_precision_plugin",
 ]

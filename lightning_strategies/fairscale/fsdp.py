@@ -36,7 +36,7 @@ from lightning_strategies.fairscale.layout import (
     tied_aliases,
 )
 
-from .._lightning import CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl
+from .._lightning import CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl, raw_optimizer
 from ..strategies.base import DirectReferenceStrategy, StartMethod
 from ..strategies.full_gradients import full_fairscale_parameters
 from ..strategies.launcher import CanonicalStateLauncher, HandBack
@@ -273,7 +273,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         # only, as Lightning clips under ddp: the root's clip_grad_norm_ took every gradient the root holds (another
         # optimizer's, left by a backward pass of a two-optimizer step) into the norm.
         # (Manual steps pass a LightningOptimizer.)
-        layout = self._layouts.get(id(getattr(optimizer, "_optimizer", optimizer)))
+        layout = self._layouts.get(id(raw_optimizer(optimizer)))
         if layout is None:
             self._root().clip_grad_norm_(clip_val)
             return

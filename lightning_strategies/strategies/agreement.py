@@ -17,7 +17,7 @@ import torch.distributed
 
 from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError
 
-from .._lightning import _PATH, _distributed_is_initialized, pl
+from .._lightning import _PATH, _distributed_is_initialized, checkpoint_connector, pl
 
 
 class RanksDisagreeError(RuntimeError):
@@ -158,7 +158,7 @@ def agree_on_resume_path(
     The check runs once, at the Trainer's next restore; :func:`forget_resume_path_check` undoes an unused one. ``then``
     is called with the agreed path (``None``: nothing is restored) before the restore starts.
     """
-    connector = getattr(trainer, "_checkpoint_connector", None)
+    connector = checkpoint_connector(trainer)
     resume_start = getattr(connector, "resume_start", None)
     if connector is None or resume_start is None or "resume_start" in vars(connector):
         return
@@ -178,7 +178,7 @@ def agree_on_resume_path(
 
 def forget_resume_path_check(trainer: pl.Trainer) -> None:
     """Removes the check :func:`agree_on_resume_path` installed, when the run ended before the Trainer restored."""
-    connector = getattr(trainer, "_checkpoint_connector", None)
+    connector = checkpoint_connector(trainer)
     if connector is not None:
         vars(connector).pop("resume_start", None)
 

@@ -33,7 +33,7 @@ from lightning_strategies.checkpoint import (
 )
 from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed
 
-from .._lightning import CheckpointIO, ClusterEnvironment, Precision, pl
+from .._lightning import CheckpointIO, ClusterEnvironment, Precision, pl, set_device_mesh
 from .._torch_private import composable_activation_checkpoint
 from .base import DirectReferenceStrategy, StartMethod
 from .dtensor_state import load_into_module, local_parts
@@ -189,7 +189,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         super().setup_environment()
         module = self.lightning_module
         if module is not None:  # read in configure_model, which the Trainer calls next
-            module._device_mesh = self.model_parallel_mesh
+            set_device_mesh(module, self.model_parallel_mesh)
 
     @contextmanager
     @override

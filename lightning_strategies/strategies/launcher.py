@@ -38,6 +38,8 @@ from .._lightning import (
     _distributed_is_initialized,
     _MultiProcessingLauncher,
     _WorkerOutput,
+    dump_checkpoint,
+    launched_strategy,
     pl,
 )
 from .atomic_io import synchronous_checkpoint_io
@@ -91,6 +93,10 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
         # end-of-fit checkpoint (rank 0 only). In the main process after a fit: the rest of that checkpoint.
         self._end_of_fit_weights: dict[str, Any] = {}
         self._end_of_fit_state: dict[str, Any] | None = None
+
+    @property
+    def _launched_strategy(self) -> ParallelStrategy:
+        return launched_strategy(self)
 
     @property
     def end_of_fit_state(self) -> dict[str, Any] | None:
@@ -147,14 +153,14 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
             return  # not fitting, or the launching process tearing down after a failure
         if self._hand_back == "checkpoint" and self._source.checkpoint_metadata().state_dict_type == "full":
             # The full dump (False: not weights-only), as trainer.save_checkpoint(path) makes it.
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(False)
+            checkpoint = dump_checkpoint(trainer, weights_only=False)
             self._end_of_fit_weights = checkpoint.pop("state_dict")
-            self._end_of_fit_state = checkpoint if self._strategy.is_global_zero else None
+            self._end_of_fit_state = checkpoint if self._launched_strategy.is_global_zero else None
         else:  # a sharded save would dump shards: hand back the canonical weights only
             self._end_of_fit_weights = self._source.full_model_state()
         # Leave together: a spawned rank that exits while its peer still finishes the gather's last collective
         # closes the peer's gloo connection under it, and the peer aborts (SIGABRT) on its way out.
-        self._strategy.barrier("end of fit captured")
+        self._launched_strategy.barrier("end of fit captured")
 
     def complete_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """In the main process after a fit: ``checkpoint`` completed with the end-of-fit training state.
@@ -170,15 +176,15 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
         fitting = trainer.state.fn == TrainerFn.FITTING
         weights, self._end_of_fit_weights = self._end_of_fit_weights, {}
         training_state, self._end_of_fit_state = self._end_of_fit_state, None
-        if self._strategy.local_rank != 0:
+        if self._launched_strategy.local_rank != 0:
             return None
         weights_path = None
         extra = self.get_extra_results(trainer)
-        if fitting and self._strategy.is_global_zero:
+        if fitting and self._launched_strategy.is_global_zero:
             # A fresh directory per run: the filesystem may be shared between nodes.
             directory = tempfile.mkdtemp(prefix="lightning_strategies_hand_back_")
             # Written before the main process reads them (not in AsyncCheckpointIO's background thread).
-            io = synchronous_checkpoint_io(self._strategy.checkpoint_io)
+            io = synchronous_checkpoint_io(self._launched_strategy.checkpoint_io)
             weights_path = os.path.join(directory, "weights.ckpt")
             io.save_checkpoint(weights, weights_path)
             if training_state is not None:
@@ -199,13 +205,14 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
                 materialise_meta_tensors(module, torch.device("cpu"))
             # Upstream loads the weights with strict=False: a compiled submodule, whose keys here hold `_orig_mod`,
             # would silently keep its old weights. The canonical keys are renamed to the module's own first.
-            weights = self._strategy.checkpoint_io.load_checkpoint(weights_path, weights_only=True)
+            weights = self._launched_strategy.checkpoint_io.load_checkpoint(weights_path, weights_only=True)
             module.load_state_dict(to_module_keys(weights, module), strict=False)
             worker_output = worker_output._replace(weights_path=None)
         super()._recover_results_in_main_process(worker_output, trainer)
         state_path = worker_output.extra.get(_TRAINING_STATE_PATH)
         if state_path is not None:
-            self._end_of_fit_state = self._strategy.checkpoint_io.load_checkpoint(state_path, weights_only=True)
+            io = self._launched_strategy.checkpoint_io
+            self._end_of_fit_state = io.load_checkpoint(state_path, weights_only=True)
         if weights_path is not None:
             shutil.rmtree(os.path.dirname(weights_path), ignore_errors=True)
 

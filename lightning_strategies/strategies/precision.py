@@ -6,10 +6,17 @@ every rank, but where gradients are sharded each rank checks only its own part: 
 that rank alone skip the step, the ranks' scales drift apart, and a rank that skips ``OSS.step`` leaves the others
 waiting in its broadcast. The strategy therefore swaps the precision plugin's scaler, for the run, for an
 :class:`AgreeingGradScaler`, which all-reduces the found-inf flag so that every rank makes the same decision.
+
+:class:`GradientRouting` (``DirectReferenceStrategy`` inherits it) is everything a strategy routes through the
+precision plugin instance it owns, where Lightning offers strategies no hook: that scaler, norm clipping across ranks
+(``gradients_are_sharded``, ``clip_grad_by_norm``) and ``on_before_optimizer_step`` inside ``complete_gradients()``.
+The patches themselves are named in ``_lightning`` and undone at teardown.
 """
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -18,7 +25,17 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from .._lightning import Precision
+from .._lightning import (
+    ParallelStrategy,
+    Precision,
+    call_before_optimizer_step_hooks,
+    clip_gradients,
+    given_precision_plugin,
+    is_overridden,
+    pl,
+    route_precision_plugin,
+    unroute_precision_plugin,
+)
 
 # Scalers that decide per process and are replaced for the run (their settings and state carried over).
 _REPLACEABLE: tuple[type[GradScaler], ...] = (GradScaler, torch.cuda.amp.GradScaler)
@@ -100,3 +117,78 @@ def remove_agreeing_scaler(plugin: Precision) -> None:
     scaler = getattr(plugin, "scaler", None)
     if isinstance(scaler, AgreeingGradScaler):
         plugin.scaler = scaler.hand_back()  # type: ignore[attr-defined]
+
+
+class GradientRouting(ParallelStrategy):
+    """Gradient hooks a strategy runs through its precision plugin: norm clipping, loss scaling, complete gradients.
+
+    Not a strategy of its own: ``DirectReferenceStrategy`` inherits it; subclasses override
+    :meth:`gradients_are_sharded`, :meth:`clip_grad_by_norm` and :meth:`complete_gradients`.
+    """
+
+    @override
+    def setup_precision_plugin(self) -> None:
+        super().setup_precision_plugin()
+        plugin = given_precision_plugin(self)
+        if plugin is None:
+            return
+        if self.gradients_are_sharded:
+            # Lightning clips through the precision plugin and offers strategies no hook for it. With sharded
+            # gradients torch's clip_grad_norm_ would compute a different norm on every rank, so the plugin instance
+            # this strategy owns routes norm clipping to the strategy until teardown.
+            route_precision_plugin(plugin, clip_grad_by_norm=self.clip_grad_by_norm, after_closure=None)
+            # Likewise each rank's loss scaler sees only its own gradients: under fp16 it would skip steps and
+            # back off alone (and a rank that skips a sharded optimizer's step leaves the others in its broadcast).
+            install_agreeing_scaler(plugin)
+        if self._completes_gradients():
+            # Lightning calls `on_before_optimizer_step` (where its docs compute `grad_norm(self)`) from the plugin,
+            # and offers strategies no hook around it: the plugin instance this strategy owns runs the hooks inside
+            # `complete_gradients()` until teardown, and only when a hook is overridden (no collective otherwise).
+            route_precision_plugin(plugin, clip_grad_by_norm=None, after_closure=self._after_closure)
+
+    def _give_back_precision_plugin(self) -> None:
+        """At teardown: the precision plugin's own norm clipping, ``_after_closure`` and loss scaler again."""
+        plugin = given_precision_plugin(self)
+        if plugin is not None:
+            unroute_precision_plugin(plugin)
+            remove_agreeing_scaler(plugin)
+
+    def _completes_gradients(self) -> bool:
+        return type(self).complete_gradients is not GradientRouting.complete_gradients
+
+    @contextmanager
+    def complete_gradients(self) -> Generator[None, None, None]:
+        """Within the block, the LightningModule's parameters hold their complete gradients on every rank, as in ddp.
+
+        ``on_before_optimizer_step`` runs inside it when the LightningModule or a callback overrides that hook, so
+        ``pytorch_lightning.utilities.grad_norm(self, norm_type)`` there logs what it logs under ``ddp``. Changes the
+        block makes to gradients in place are kept. Every rank must enter it (it may run collectives). The default
+        strategy holds whole gradients already and does nothing.
+        """
+        yield None
+
+    def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
+        """Replaces the precision plugin's ``_after_closure``: the same hooks and clipping, the hooks inside
+        :meth:`complete_gradients` (clipping stays outside: it acts on the sharded gradients that step)."""
+        trainer = model.trainer
+        callbacks: list[pl.Callback] = getattr(trainer, "callbacks", [])
+        hooked = is_overridden("on_before_optimizer_step", model, pl.LightningModule) or any(
+            is_overridden("on_before_optimizer_step", callback, pl.Callback) for callback in callbacks
+        )
+        with self.complete_gradients() if hooked else nullcontext():
+            call_before_optimizer_step_hooks(trainer, optimizer)
+        clip_gradients(self.precision_plugin, model, optimizer, trainer)
+
+    @property
+    def gradients_are_sharded(self) -> bool:
+        """Whether each rank holds only part of the gradients after backward (then norms need a collective)."""
+        return False
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clips gradients by their total norm across all ranks; used when ``gradients_are_sharded``.
+
+        Args:
+            optimizer: The optimizer whose parameters' gradients are clipped.
+            clip_val: The maximum total norm.
+        """
+        raise NotImplementedError(f"{type(self).__name__} shards gradients and must implement clip_grad_by_norm().")

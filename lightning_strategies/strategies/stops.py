@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed
 
-from .._lightning import _distributed_is_initialized
+from .._lightning import REQUEUE_HANDLER_ATTRIBUTE, _distributed_is_initialized, last_saved_checkpoint, signal_connector
 from .._torch_private import collectives_run, default_store
 
 #: Seconds a rank that stopped waits for the others to report that they stopped too. Ranks that stop together report
@@ -170,7 +170,8 @@ def last_checkpoints(trainer: Any) -> list[str]:
     best, then the checkpoint it resumed from (those that exist)."""
     candidates: list[str] = []
     for callback in getattr(trainer, "checkpoint_callbacks", []):
-        for attribute in ("_last_checkpoint_saved", "last_model_path", "best_model_path"):
+        candidates.append(last_saved_checkpoint(callback))
+        for attribute in ("last_model_path", "best_model_path"):
             candidates.append(str(getattr(callback, attribute, "") or ""))
     candidates.append(str(getattr(trainer, "ckpt_path", "") or ""))
     found: list[str] = []
@@ -190,7 +191,7 @@ class RequeueAtStepBoundary:
     the checkpoint is saved between steps, then rank 0 requeues the job.
     """
 
-    _ATTRIBUTE = "_slurm_sigusr_handler_fn"
+    _ATTRIBUTE = REQUEUE_HANDLER_ATTRIBUTE
 
     def __init__(self) -> None:
         self._handler: Any = None
@@ -199,7 +200,7 @@ class RequeueAtStepBoundary:
 
     def install(self, trainer: Any, enabled: bool) -> None:
         """Takes the place of Lightning's requeue handler for ``trainer``'s run (before it registers its handlers)."""
-        connector = getattr(trainer, "_signal_connector", None)
+        connector = signal_connector(trainer)
         handler = getattr(connector, self._ATTRIBUTE, None)
         if not enabled or handler is None or self._ATTRIBUTE in vars(connector):
             return

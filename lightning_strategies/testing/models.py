@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from .._lightning import pl
+from .._lightning import pl, trainer_of
 
 OptimizerName = Literal["adam", "sgd"]
 
@@ -68,9 +68,10 @@ class ConformanceModel(pl.LightningModule):
         return output
 
     def _check_identity(self, hook: str) -> None:
-        if self._trainer is None:  # used as a plain module, e.g. to build a reference optimizer
+        trainer = trainer_of(self)
+        if trainer is None:  # used as a plain module, e.g. to build a reference optimizer
             return
-        strategy = self._trainer.strategy
+        strategy = trainer.strategy
         if strategy.lightning_module is not self:
             self.identity_failures.append(
                 f"rank {self.global_rank}, {hook}: strategy.lightning_module is"

@@ -1,0 +1,392 @@
+"""The checkpoint flow every strategy of this package shares: state out, sharded saves, state in.
+
+:class:`CheckpointFlow` owns what Lightning asks a strategy for when it saves and restores, once for every strategy:
+canonical model and optimizer state (``lightning_module_state_dict``, ``optimizer_state``) with the ``_canonical_*``
+hooks a strategy overrides where its wrapper shards state; ``save_checkpoint`` (a full file on rank 0, or a sharded
+directory staged and swapped in atomically, :meth:`CheckpointFlow.save_sharded`); ``load_checkpoint`` (a full file, a
+directory this strategy reads in place through its :class:`~.sharded_format.ShardedFormat`, or another format's
+directory consolidated); and ``load_model_state_dict``/``load_optimizer_state_dict``, which validate every part before
+any weight changes, with the ``_load_canonical_*`` hooks. Strategies override the hooks, never the flow.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_strategies.checkpoint import (
+    FORMAT_VERSION,
+    METADATA_KEY,
+    CheckpointMetadata,
+    canonical_keys,
+    check_optimizer_states,
+    load_model_state,
+    param_group_shapes,
+    read_checkpoint,
+    require_full_checkpoint,
+    to_cpu_state,
+)
+from lightning_strategies.checkpoint.atomic import raise_if_disk_full, replace_directory
+from lightning_strategies.checkpoint.consolidation import consolidate
+from lightning_strategies.checkpoint.errors import CheckpointFormatError
+from lightning_strategies.checkpoint.optimizer_state import numbered_through_groups
+from lightning_strategies.checkpoint.sharded import (
+    ShardedCheckpoint,
+    new_save_id,
+    open_sharded,
+    remove_stale_saves,
+    sharded_directory,
+    staging_directory,
+    write_sharded_meta,
+)
+from lightning_strategies.checkpoint.training_state import holds_optimizer_state, resume_without_optimizer_state
+
+from .._lightning import (
+    _PATH,
+    CheckpointIO,
+    ParallelStrategy,
+    TrainerFn,
+    _optimizer_to_device,
+    pl,
+    raw_optimizer,
+    trainer_of,
+)
+from .agreement import agree_on_sharded_save, refuse_unless_every_rank_fits, require_same_save_path
+from .atomic_io import finish_background_writes, synchronous_checkpoint_io
+from .launcher import CanonicalStateLauncher
+from .sharded_format import ShardedFormat
+
+StateDictType = Literal["full", "sharded"]
+
+
+class CheckpointFlow(ParallelStrategy):
+    """The save and restore flow of :class:`~lightning_strategies.DirectReferenceStrategy`, which inherits it.
+
+    Not a strategy of its own: it relies on the attributes and methods declared below, which the strategy provides.
+    """
+
+    #: ``"full"`` (one canonical file) or ``"sharded"`` (a directory in the format :meth:`sharded_format` describes);
+    #: strategies that save sharded take it as an option (see :meth:`_checked_state_dict_type`).
+    _state_dict_type: StateDictType = "full"
+
+    if TYPE_CHECKING:  # provided by the strategy: DirectReferenceStrategy and its FailureHandling
+        strategy_name: ClassVar[str]
+        _checkpoint_source: str  # names what is being restored, in every error message
+        _sharded_reader: ShardedFormat | None  # the format restoring the directory being loaded
+
+        def require_lightning_module(self) -> pl.LightningModule: ...
+
+        def require_save_possible(self) -> None: ...
+
+    # ------------------------------------------------------------------ state out: canonical, rank 0 only
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model state a checkpoint holds: by default :meth:`full_model_state`."""
+        self.require_save_possible()  # the first thing a save asks for: before any of its collectives
+        if self._saves_sharded:  # every rank keeps its own part: no gather
+            return self._require_sharded_format().model_state()
+        return self.full_model_state()
+
+    def full_model_state(self) -> dict[str, Any]:
+        """Canonical model state on global rank 0 (the unwrapped module's keys, full CPU tensors); ``{}`` elsewhere.
+
+        Every rank must call it: subclasses may gather with collectives. Submodules compiled with ``torch.compile``
+        add no ``_orig_mod`` segment: the keys are the uncompiled module's (see ``checkpoint.canonical_keys``).
+        """
+        state = self._canonical_model_state()
+        return canonical_keys(state) if self.is_global_zero else {}
+
+    def _canonical_model_state(self) -> dict[str, Any]:
+        """Hook: the canonical model state on rank 0. Default: the module holds whole tensors, read them directly."""
+        if not self.is_global_zero:
+            return {}
+        return to_cpu_state(self.require_lightning_module().state_dict())
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Canonical optimizer state (torch's integer-keyed layout over the whole model) on rank 0; ``{}`` elsewhere.
+
+        Every rank must call it: sharded optimizers gather with collectives.
+        """
+        raw = raw_optimizer(optimizer)
+        if self._saves_sharded:
+            return self._require_sharded_format().optimizer_state(raw)
+        state = self._canonical_optimizer_state(raw)
+        return state if self.is_global_zero else {}
+
+    def _canonical_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Hook: canonical state of one optimizer on rank 0. Default: a plain optimizer is already canonical."""
+        return optimizer.state_dict() if self.is_global_zero else {}
+
+    def checkpoint_metadata(self) -> CheckpointMetadata:
+        """The ``checkpoint["lightning_strategies"]`` block this strategy writes."""
+        return CheckpointMetadata(
+            format_version=FORMAT_VERSION,
+            strategy=self.strategy_name,
+            world_size=self.world_size,
+            state_dict_type=self._state_dict_type,
+        )
+
+    # ------------------------------------------------------------------ the sharded format
+
+    def sharded_format(self) -> ShardedFormat | None:
+        """Hook: a new :class:`ShardedFormat` describing this strategy's sharded directories; ``None`` (the default)
+        when it writes none. Directories it does not read in place (and every directory, with ``None``) are
+        consolidated and loaded as full checkpoints."""
+        return None
+
+    @staticmethod
+    def _checked_state_dict_type(state_dict_type: str) -> StateDictType:
+        """``state_dict_type`` as given to a strategy's constructor, checked.
+
+        Raises:
+            ValueError: Neither ``"full"`` nor ``"sharded"``.
+        """
+        if state_dict_type == "full":
+            return "full"
+        if state_dict_type == "sharded":
+            return "sharded"
+        raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
+
+    @property
+    def _saves_sharded(self) -> bool:
+        return self._state_dict_type == "sharded"
+
+    def _require_sharded_format(self) -> ShardedFormat:
+        sharded = self.sharded_format()
+        if sharded is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} has state_dict_type='sharded' but describes no sharded format: implement"
+                " sharded_format(), or save with state_dict_type='full'."
+            )
+        return sharded
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self._saves_sharded:
+            sharded = self._require_sharded_format()
+            directory = Path(filepath)
+            write = partial(sharded.write, checkpoint, directory)
+            self.save_sharded(checkpoint, directory, write, collective_write=sharded.collective_write)
+            return
+        require_same_save_path(filepath)  # a rank's different path would be silently ignored
+        if isinstance(self.launcher, CanonicalStateLauncher):  # the main process after a fork/spawn fit
+            checkpoint = self.launcher.complete_checkpoint(checkpoint)
+        if self.is_global_zero:
+            stamped = {**checkpoint, METADATA_KEY: self.checkpoint_metadata().to_dict()}
+            self.checkpoint_io.save_checkpoint(stamped, filepath, storage_options=storage_options)
+
+    @property
+    def sharded_checkpoint_io(self) -> CheckpointIO:
+        """The checkpoint IO that writes the files of a sharded directory: ``checkpoint_io`` without
+        ``AsyncCheckpointIO`` (the directory is swapped in right after the writes, so they must be done then)."""
+        return synchronous_checkpoint_io(self.checkpoint_io)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Removes a checkpoint (``ModelCheckpoint`` removes the ones it no longer keeps) on global rank 0.
+
+        A checkpoint that is not there yet may still be written by ``AsyncCheckpointIO`` in the background (saves
+        are atomic: the path appears when its write is done); the removal waits for that write, which would
+        otherwise put it there afterwards.
+        """
+        if self.is_global_zero and ("://" in str(filepath) or not os.path.lexists(filepath)):
+            finish_background_writes(self.checkpoint_io)
+        super().remove_checkpoint(filepath)
+
+    def save_sharded(
+        self,
+        checkpoint: dict[str, Any],
+        directory: Path,
+        write_shards: Callable[[Path, str], None],
+        *,
+        collective_write: bool = False,
+    ) -> None:
+        """Writes a sharded checkpoint directory atomically: the previous save stays until this one is whole.
+
+        The ranks check that they save to the same directory and take rank 0's save id (one all-gather); every rank
+        writes its shards (stamped with the id and its rank) into a sibling staging directory; rank 0 adds
+        ``meta.pt`` and swaps the staging directory in (an atomic exchange on Linux). A failure or a kill at any
+        point leaves the previous complete checkpoint at ``directory``; a full disk is reported as
+        :class:`~lightning_strategies.checkpoint.atomic.DiskFullError`.
+
+        Args:
+            checkpoint: What Lightning dumped; its state entries are the ranks' shards.
+            directory: The checkpoint directory.
+            write_shards: Writes this rank's shards into the staging directory it is given, stamped with the save id
+                it is given (a collective for some formats).
+            collective_write: ``write_shards`` returns on rank 0 only once every rank's shards are written
+                (``torch.distributed.checkpoint.save`` does: its last step gathers every rank's write results), so
+                rank 0 needs no barrier before it swaps the directory in.
+
+        Raises:
+            BaseException: A write failed, or (with ``AsyncCheckpointIO``) an earlier background write had failed.
+        """
+        # Shards in different directories: none of them complete.
+        save_id = agree_on_sharded_save(directory, new_save_id())
+        staging = staging_directory(directory, save_id)
+        if self.is_global_zero:
+            remove_stale_saves(directory, keep=staging)
+        staging.mkdir(parents=True, exist_ok=True)  # by every rank: none waits for another before writing
+        try:
+            write_shards(staging, save_id)
+            # With AsyncCheckpointIO: an earlier background write's error is raised by this save (as the plugin's own
+            # next save would raise it), and the writes of a plugin below another wrapper are done before the swap.
+            finish_background_writes(self.checkpoint_io)
+            if not collective_write:
+                self.barrier("sharded checkpoint shards written")
+            if self.is_global_zero:
+                meta_io = self.sharded_checkpoint_io
+                write_sharded_meta(meta_io, checkpoint, self.checkpoint_metadata(), staging, save_id)
+                finish_background_writes(meta_io)
+                replace_directory(staging, directory, save_id)
+        except BaseException as error:
+            if self.is_global_zero:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise_if_disk_full(error, directory)
+            raise
+        self.barrier("sharded checkpoint complete")
+
+    # ------------------------------------------------------------------ state in: validated, then loaded
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Restore into the wrapped model, after the optimizers exist: a checkpoint whose optimizer states do not fit
+        # is then refused before the model's weights are touched.
+        return True
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        self._sharded_reader = None
+        directory = sharded_directory(checkpoint_path)
+        if directory is not None:
+            sharded = open_sharded(directory)
+            reader = self.sharded_format()
+            if reader is None or not reader.reads_in_place(sharded):
+                return self._load_consolidated(sharded)
+            self._checkpoint_source = sharded.source
+            opened = reader.open(sharded)
+            self._sharded_reader = reader
+            return opened
+        # Checkpoints never run code when loaded: weights_only is always True.
+        self._checkpoint_source = f"Checkpoint {str(checkpoint_path)!r}"
+        checkpoint = read_checkpoint(
+            checkpoint_path, load=lambda: self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=True)
+        )
+        require_full_checkpoint(checkpoint, source=self._checkpoint_source)
+        states = checkpoint.get("optimizer_states")
+        if isinstance(states, list):  # upstream's full files number parameters in the module's order
+            checkpoint["optimizer_states"] = [numbered_through_groups(state) for state in states]
+        return checkpoint
+
+    def _load_consolidated(self, sharded: ShardedCheckpoint) -> dict[str, Any]:
+        """A sharded directory this strategy does not read in place (another strategy's, upstream Lightning's):
+        every rank builds the full canonical checkpoint in memory, as ``lightning-strategies consolidate`` would."""
+        self._checkpoint_source = (
+            f"{sharded.source} (written by {sharded.metadata.strategy} at world size {sharded.world_size})"
+        )
+        return consolidate(sharded).checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # Sharded parameters (DTensors) are neither read nor written inside `torch.inference_mode()`, where
+        # `trainer.test(ckpt_path=...)` restores: every restore runs outside it.
+        with torch.inference_mode(False):
+            if self._sharded_reader is not None:
+                self._load_sharded_model_state(self._sharded_reader, checkpoint, strict)
+            else:
+                self._load_full_model_state(checkpoint, strict)
+
+    def _load_sharded_model_state(self, reader: ShardedFormat, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        # Every rank checks its part (and the optimizer states it will restore); the ranks agree before any weight
+        # changes, so a part that does not fit on one rank leaves every rank's weights as they were.
+        refuse_unless_every_rank_fits(
+            reader.problem(checkpoint, strict, self._restoring_sharded_optimizer_states(checkpoint))
+        )
+        if not reader.holds_optimizer_states(checkpoint):
+            self._resume_without_optimizer_state(checkpoint)  # one warning; the optimizers start fresh
+        reader.load_model(checkpoint, strict)
+
+    def _load_full_model_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        source = self._checkpoint_source
+        require_full_checkpoint(checkpoint, source=source)
+        if "state_dict" not in checkpoint:
+            raise CheckpointFormatError(f"{source} has no 'state_dict' (keys: {', '.join(sorted(checkpoint))}).")
+        trainer = trainer_of(self.require_lightning_module())
+        if trainer is not None and self._restoring_optimizers(trainer):
+            if holds_optimizer_state(checkpoint):
+                # Refuse a checkpoint whose optimizer states do not fit *before* changing the weights.
+                self._check_optimizer_states(checkpoint["optimizer_states"])
+            else:
+                self._resume_without_optimizer_state(checkpoint)
+        state = checkpoint["state_dict"]
+        if isinstance(state, Mapping):  # older files (and upstream's) hold compiled submodules' `_orig_mod` keys
+            state = canonical_keys(state)
+        self._load_canonical_model_state(state, strict=strict)
+
+    def _resume_without_optimizer_state(self, checkpoint: Mapping[str, Any]) -> None:
+        """A fit restores a checkpoint that holds no optimizer state (weights-only, full file or sharded directory):
+        one warning naming what is not restored; the optimizers and LR schedulers start fresh. Elsewhere nothing."""
+        trainer = trainer_of(self.require_lightning_module())
+        if trainer is None or not self._restoring_optimizers(trainer):
+            return
+        schedulers = [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
+        resume_without_optimizer_state(checkpoint, len(self.optimizers), schedulers, self._checkpoint_source)
+
+    def _restoring_optimizers(self, trainer: pl.Trainer) -> bool:
+        return trainer.state.fn == TrainerFn.FITTING and self.lightning_restore_optimizer
+
+    def _restoring_sharded_optimizer_states(self, checkpoint: Mapping[str, Any]) -> bool:
+        """Whether a sharded load restores the optimizer states it holds (the Trainer fits and restores them)."""
+        trainer = trainer_of(self.require_lightning_module())
+        reader = self._sharded_reader
+        holds = reader.holds_optimizer_states(checkpoint) if reader is not None else "optimizer_states" in checkpoint
+        return trainer is not None and self._restoring_optimizers(trainer) and holds
+
+    def _load_canonical_model_state(self, state: Mapping[str, Any], strict: bool) -> None:
+        """Hook: puts canonical model state into the (wrapped) model. Default: the module holds whole tensors."""
+        load_model_state(self.require_lightning_module(), state, strict=strict, source=self._checkpoint_source)
+
+    def _canonical_param_shapes(self, optimizer: Optimizer) -> list[list[torch.Size]]:
+        """Hook: canonical shapes of each param group's parameters. Default: the optimizer's own parameters."""
+        return param_group_shapes(optimizer)
+
+    def _raw_optimizers(self) -> list[Optimizer]:
+        return [raw_optimizer(opt) for opt in self.optimizers]
+
+    def _check_optimizer_states(self, states: Any) -> None:
+        optimizers = self._raw_optimizers()
+        shapes = [self._canonical_param_shapes(optimizer) for optimizer in optimizers]
+        check_optimizer_states(states, optimizers, shapes, source=self._checkpoint_source)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        with torch.inference_mode(False):
+            reader, self._sharded_reader = self._sharded_reader, None  # the restore ends here
+            if reader is None:
+                self._load_full_optimizer_states(checkpoint)
+            elif reader.holds_optimizer_states(checkpoint):  # else the optimizers start fresh (warned about)
+                reader.load_optimizers(checkpoint)
+
+    def _load_full_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint["optimizer_states"]
+        if not holds_optimizer_state(checkpoint):
+            return  # warned about in load_model_state_dict: the optimizers start fresh
+        self._check_optimizer_states(states)
+        for optimizer, state in zip(self._raw_optimizers(), states, strict=True):
+            self._load_canonical_optimizer_state(optimizer, state)
+            _optimizer_to_device(optimizer, self.root_device)
+
+    def _load_canonical_optimizer_state(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
+        """Hook: puts one canonical optimizer state into the (possibly sharded) optimizer."""
+        optimizer.load_state_dict(dict(state))
