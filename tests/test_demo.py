@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_strategies._demo_progress import render_bar
 from lightning_strategies.cli import main
+from lightning_strategies.cli.demo_progress import render_bar
 from lightning_strategies.demo import main as demo_alias
 
 DEFAULT_CHAIN_RUNS = [

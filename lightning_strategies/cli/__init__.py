@@ -247,7 +247,7 @@ def _demo_module() -> ModuleType:
     for flavour in (own, LIGHTNING if own is PYTORCH_LIGHTNING else PYTORCH_LIGHTNING):
         top = flavour.pytorch.split(".")[0]
         if find_spec(top) is not None and find_spec(flavour.pytorch) is not None:
-            return importlib.import_module(f"{flavour.tree}.demo")
+            return importlib.import_module(f"{flavour.tree}.cli.demo")
     raise UsageError(
         "demo trains with Lightning, which is not installed: pip install 'lightning-strategies[pytorch-lightning]'"
         " (or [lightning])."

@@ -55,10 +55,6 @@ class RankZeroBuffers:
         self._before_first_step: list[tuple[_BufferSlot, Tensor, Tensor]] = []
         self._stale = False
 
-    def start(self) -> None:
-        """Forgets what an earlier fit learnt (call when a fit sets up)."""
-        self._changing, self._before_first_step, self._stale = None, [], False
-
     def before_step(self, module: Module, training: bool) -> None:
         """Call before each step's forward, on every rank."""
         if not self.enabled:
