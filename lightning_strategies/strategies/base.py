@@ -89,6 +89,7 @@ from .agreement import (
     require_agreement,
     require_same_save_path,
 )
+from .async_saves import AsyncSaves
 from .atomic_io import AtomicTorchCheckpointIO, finish_background_writes, synchronous_checkpoint_io
 from .buffers import RankZeroBuffers
 from .failures import (
@@ -134,6 +135,9 @@ class DirectReferenceStrategy(ParallelStrategy):
         hand_back: What a fork/spawn fit hands back to the main process: ``"checkpoint"`` (everything
             ``trainer.save_checkpoint`` needs there, costing one canonical copy of the optimizer states in the main
             process) or ``"weights"`` (the weights only, as upstream).
+        async_save: Write checkpoints in a background thread while training goes on: only gathering (full files) or
+            copying this rank's shards to the CPU (sharded directories) blocks the step; the save is committed when
+            the ranks next meet (the next save, the end of ``fit``, ``teardown``). See :mod:`.async_saves`.
     """
 
     #: Registry name, also written into each checkpoint's metadata block.
@@ -161,6 +165,7 @@ class DirectReferenceStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
         hand_back: HandBack = "checkpoint",
+        async_save: bool = False,
     ) -> None:
         if hand_back not in HAND_BACK_OPTIONS:
             raise ValueError(f"hand_back must be one of {', '.join(map(repr, HAND_BACK_OPTIONS))}, got {hand_back!r}.")
@@ -177,6 +182,8 @@ class DirectReferenceStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method: StartMethod = start_method
         self._hand_back: HandBack = hand_back
+        self._async_save = async_save
+        self._async_saves = AsyncSaves(self)
         self._checkpoint_source = "the checkpoint"
         self._sharded_reader: ShardedFormat | None = None  # the format restoring the directory being loaded
         self._failure_timeout: float | None = None
@@ -572,7 +579,24 @@ class DirectReferenceStrategy(ParallelStrategy):
         self._requeue.at_step_boundary(self.root_device)
 
     @override
+    def on_train_start(self) -> None:
+        if self._async_save:
+            self._async_saves.open()  # saves from here to on_train_end run in the background
+        super().on_train_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self._async_saves.end_of_training()  # the pending asynchronous save is committed, or its error raised
+        super().on_train_end()
+
+    @override
     def teardown(self) -> None:
+        try:  # while the ranks are together: commits the pending asynchronous save (after a failure: drops it)
+            self._async_saves.close(self._failed, self.failure_timeout)
+        finally:
+            self._release_after_run()
+
+    def _release_after_run(self) -> None:
         self._requeue.remove()
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
@@ -753,6 +777,8 @@ class DirectReferenceStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self._async_saves.save(checkpoint, filepath, storage_options):
+            return  # its files are written in the background; committed when the ranks next meet
         if self._saves_sharded:
             sharded = self._require_sharded_format()
             directory = Path(filepath)
@@ -778,8 +804,11 @@ class DirectReferenceStrategy(ParallelStrategy):
 
         A checkpoint that is not there yet may still be written by ``AsyncCheckpointIO`` in the background (saves
         are atomic: the path appears when its write is done); the removal waits for that write, which would
-        otherwise put it there afterwards.
+        otherwise put it there afterwards. While an asynchronous save (``async_save=True``) is pending, the removal
+        waits until that save is committed: an old checkpoint goes only once the new one is complete.
         """
+        if self._async_saves.defer_removal(partial(self.remove_checkpoint, filepath)):
+            return  # removed once the pending asynchronous save is complete
         if self.is_global_zero and ("://" in str(filepath) or not os.path.lexists(filepath)):
             finish_background_writes(self.checkpoint_io)
         super().remove_checkpoint(filepath)
