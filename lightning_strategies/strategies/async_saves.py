@@ -5,12 +5,15 @@ gathering to rank 0 (full files) or this rank's shards — copied to the CPU (th
 optimizer step may change the weights at once. In a background thread: the file writes (``torch.save`` of the copy on
 rank 0; each rank's files of a sharded directory, ``torch.distributed.checkpoint`` on a gloo group of its own).
 
-The save is then *pending* until the ranks meet again — at the next save, at the end of ``fit`` (``on_train_end``) or
-in ``teardown`` — where they agree on its outcome (one all-gather). When every rank's write succeeded, rank 0 commits
-it (a sharded directory: ``meta.pt``, then the swap of the staging directory into place; a full file is already in
-place, renamed atomically by its write) and only then removes the checkpoints ``ModelCheckpoint`` dropped meanwhile.
-When a write failed on any rank, every rank raises :class:`AsyncSaveError` and the previous checkpoint stays. A kill
-at any point leaves the previous checkpoint: nothing of a pending save is visible at its path.
+The save is then *pending*. The ranks agree on its outcome (one all-gather) and, when every rank's write succeeded,
+rank 0 commits it: a sharded directory gets ``meta.pt`` and is swapped into place only then; a full file is already in
+place, renamed atomically by its own write. For a sharded save the background threads do this among themselves, on a
+gloo group of their own, as soon as every rank's files are written; for a full file the main threads do it. Either way
+the step loop learns the outcome when the ranks next meet — at the next save, at the end of training
+(``on_train_end``) or in ``teardown`` — which wait for the pending save, and only then are the checkpoints
+``ModelCheckpoint`` dropped meanwhile removed. When a write failed on any rank, every rank raises
+:class:`AsyncSaveError` there and the previous checkpoint stays. A kill at any point leaves the previous checkpoint:
+nothing of a save is visible at its path before its commit.
 """
 
 from __future__ import annotations
@@ -66,10 +69,17 @@ def write_in_background(write: Callable[[], None]) -> None:
 def staged_copy(value: Any) -> Any:
     """``value`` with every tensor copied to the CPU and every container rebuilt: what a background write may read
     while training goes on (the live tensors change at the next step). Other values are shared (plain values)."""
-    if isinstance(value, DTensor):
-        # A DTensor whose local shard is a CPU copy (torch's own async staging does the same).
-        cpu = value.detach().to("cpu") if value.device.type != "cpu" else copy.deepcopy(value.detach())
-        return cpu
+    if isinstance(value, DTensor):  # a DTensor whose local shard is a CPU copy
+        if value.device.type != "cpu":
+            return value.detach().to("cpu")
+        return DTensor.from_local(
+            value.to_local().detach().clone(),
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
     if isinstance(value, Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
@@ -101,12 +111,13 @@ def staged_bytes(value: Any) -> int:
     return 0
 
 
-def _everyone(value: Any) -> list[Any]:
-    """Every rank's ``value`` in rank order (a collective on the default group); alone: ``[value]``."""
+def _everyone(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``value`` in rank order (a collective on ``group``, the default group when ``None``); alone:
+    ``[value]``."""
     if not _distributed_is_initialized() or torch.distributed.get_world_size() < 2:
         return [value]
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, value)
+    torch.distributed.all_gather_object(gathered, value, group=group)
     return gathered
 
 
@@ -126,6 +137,33 @@ class _Save:
     errors: list[BaseException] = field(default_factory=list)
     commit: Callable[[], None] | None = None
     discard: Callable[[], None] | None = None
+    #: The group the background threads agree and commit on (sharded saves); ``None``: the main thread does it.
+    group: Any = None
+    agreed: bool = False
+    failed: list[tuple[int, str]] = field(default_factory=list)  # (rank, error) of each rank whose write failed
+    commit_failure: str | None = None  # rank 0's commit error, as every rank learnt it
+    commit_error: BaseException | None = None  # the same on rank 0
+
+    def agree(self) -> None:
+        """The ranks agree on the writes' outcome (a collective on :attr:`group`); when every write succeeded rank 0
+        commits the save, and every rank learns whether it did. Sets :attr:`failed` and :attr:`commit_failure`."""
+        error = self.errors[0] if self.errors else None
+        everyone = _everyone(None if error is None else _described(error), self.group)
+        self.failed = [(rank, text) for rank, text in enumerate(everyone) if text is not None]
+        if self.failed:
+            if self.discard is not None:
+                self.discard()
+        elif self.sharded:
+            committed: str | None = None
+            if self.commit is not None:
+                try:
+                    self.commit()
+                except BaseException as caught:
+                    if self.discard is not None:
+                        self.discard()
+                    self.commit_error, committed = caught, _described(caught)
+            self.commit_failure = _everyone(committed, self.group)[0]
+        self.agreed = True
 
 
 class AsyncSaves:
@@ -159,14 +197,15 @@ class AsyncSaves:
     def open(self) -> None:
         """Saves from now on run asynchronously (the start of training: ``on_train_start``, on every rank).
 
-        A format whose writes run collectives gets its gloo group here, where every rank is anyway, rather than in the
-        first save (creating a group takes a collective and a few hundred milliseconds on a busy machine).
+        Sharded saves get their gloo group here, where every rank is anyway, rather than in the first save (creating
+        a group takes a collective and a few hundred milliseconds on a busy machine): the background threads agree on
+        a save's outcome and commit it on that group (and DCP's writes run their collectives there).
         """
         self._open = True
         strategy = self._strategy
         if strategy._saves_sharded and _distributed_is_initialized():
             sharded = strategy.sharded_format()
-            if sharded is not None and sharded.writes_in_background and sharded.collective_write:
+            if sharded is not None and sharded.writes_in_background:
                 self._background_group()
 
     def _applies(self) -> bool:
@@ -206,7 +245,7 @@ class AsyncSaves:
             directory = Path(filepath)
             save_id = agree_on_sharded_save(directory, new_save_id())
             staging = staging_directory(directory, save_id)
-            group = self._background_group() if sharded.collective_write else None
+            group = self._background_group() if sharded.collective_write else None  # the writes' collectives
             staged = staged_copy(checkpoint)
             writer = sharded.background_writer(staged, directory, staging, save_id, group)
             self.last_staged_bytes = staged_bytes(staged)
@@ -226,6 +265,7 @@ class AsyncSaves:
                 sharded=True,
                 commit=commit if strategy.is_global_zero else None,
                 discard=partial(shutil.rmtree, staging, ignore_errors=True) if strategy.is_global_zero else None,
+                group=self._background_group(),  # every rank writes: their threads agree and commit on their own
             )
             return True
         require_same_save_path(filepath)  # a rank's different path would be silently ignored
@@ -246,8 +286,9 @@ class AsyncSaves:
         sharded: bool,
         commit: Callable[[], None] | None = None,
         discard: Callable[[], None] | None = None,
+        group: Any = None,
     ) -> None:
-        save = _Save(target, sharded, write, commit=commit, discard=discard)
+        save = _Save(target, sharded, write, commit=commit, discard=discard, group=group)
         if write is not None:
 
             def run() -> None:
@@ -263,6 +304,12 @@ class AsyncSaves:
                     save.errors.append(error)
                 finally:
                     del writes
+                if save.group is not None:  # the writes' threads meet on their own group; the step loop goes on
+                    try:
+                        save.agree()
+                    except BaseException as error:  # the agreement itself failed (a peer gone): the save is lost
+                        save.failed = [(-1, _described(error))]
+                        save.agreed = True
 
             # A daemon: a run that failed does not wait at exit for a write nobody will commit.
             save.thread = threading.Thread(target=run, name=f"lightning_strategies async save {target}", daemon=True)
@@ -302,39 +349,23 @@ class AsyncSaves:
             return
         if save.thread is not None:
             save.thread.join()
+        if not save.agreed:  # a full file: the ranks agree here
+            save.agree()
         error = save.errors[0] if save.errors else None
-        failed = [
-            (rank, text)
-            for rank, text in enumerate(_everyone(None if error is None else _described(error)))
-            if text is not None
-        ]
-        if failed:
+        if save.failed:
             self._removals.clear()  # the older checkpoints stay: the new one did not appear
-            if save.discard is not None:
-                save.discard()
-            ranks = ", ".join(str(rank) for rank, _ in failed)
+            ranks = ", ".join(str(rank) for rank, _ in save.failed)
             raise AsyncSaveError(
-                f"The asynchronous save of {save.target!r} failed on rank {ranks} ({failed[0][1]}); its path holds the"
-                " previous checkpoint, and no older checkpoint was removed. Fix the cause (space, permissions, the"
+                f"The asynchronous save of {save.target!r} failed on rank {ranks} ({save.failed[0][1]}); its path holds"
+                " the previous checkpoint, and no older checkpoint was removed. Fix the cause (space, permissions, the"
                 " store) and resume from the last complete checkpoint."
             ) from error
-        if save.sharded:  # rank 0 commits; every rank learns whether it did (and waits for it: a barrier)
-            committed: str | None = None
-            commit_error: BaseException | None = None
-            if save.commit is not None:
-                try:
-                    save.commit()
-                except BaseException as caught:
-                    if save.discard is not None:
-                        save.discard()
-                    commit_error, committed = caught, _described(caught)
-            outcome = _everyone(committed)[0]
-            if outcome is not None:
-                self._removals.clear()
-                raise AsyncSaveError(
-                    f"The asynchronous save of {save.target!r} failed when rank 0 completed it ({outcome}); its path"
-                    " holds the previous checkpoint, and no older checkpoint was removed."
-                ) from commit_error
+        if save.commit_failure is not None:
+            self._removals.clear()
+            raise AsyncSaveError(
+                f"The asynchronous save of {save.target!r} failed when rank 0 completed it ({save.commit_failure}); its"
+                " path holds the previous checkpoint, and no older checkpoint was removed."
+            ) from save.commit_error
         removals, self._removals = self._removals, []
         for remove in removals:
             remove()
