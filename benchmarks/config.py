@@ -12,7 +12,7 @@ STRATEGIES: tuple[str, ...] = ("ddp_sharded", "fsdp_fairscale", "fsdp2")
 #: Models the overhead benchmark can train (``benchmarks.models.workload``).
 MODELS: tuple[str, ...] = ("mlp", "gpt2")
 #: Benchmarks in the order they run.
-BENCHMARKS: tuple[str, ...] = ("overhead", "save", "resume", "memory", "scaling")
+BENCHMARKS: tuple[str, ...] = ("overhead", "save", "resume", "memory", "scaling", "async_save")
 
 #: The strategy of this package that upstream Lightning's ``ModelParallelStrategy`` and ``FSDPStrategy`` are compared
 #: with.

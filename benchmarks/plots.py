@@ -23,6 +23,7 @@ COLORS = {
     UPSTREAM_LABELS[UPSTREAM_FSDP]: "#bcbd22",
     "fresh": "#2ca02c",
     "resume": "#1f77b4",
+    "synchronous": "#ff7f0e",
 }
 
 
@@ -231,12 +232,34 @@ def plot_scaling(summary: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
+def plot_async_save(summary: dict[str, Any], path: Path) -> None:
+    """The step loop blocked per save, synchronous against ``async_save=True``, per strategy and format."""
+    variants = list(summary)
+    figure, axes = plt.subplots(figsize=(max(6.0, 1.4 * len(variants)), 4))
+    _bars(
+        axes,
+        variants,
+        {
+            "synchronous": [summary[v]["sync"] for v in variants],
+            "ours async_save": [summary[v]["async"] for v in variants],
+        },
+        1e3,
+        "ms blocked per save (median, min-max)",
+    )
+    axes.set_title("Step loop blocked per save")
+    axes.tick_params(axis="x", labelsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 PLOTS = {
     "overhead": plot_overhead,
     "save": plot_save,
     "resume": plot_resume,
     "memory": plot_memory,
     "scaling": plot_scaling,
+    "async_save": plot_async_save,
 }
 
 

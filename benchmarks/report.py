@@ -413,12 +413,55 @@ def summarize_scaling(ranks: Sequence[dict[str, Any]], config: Config, goals: li
     return summary
 
 
+#: Goal of the asynchronous save benchmark: the step loop blocked per save, asynchronous / synchronous.
+ASYNC_BLOCKED_GOAL = 0.25
+
+
+def summarize_async_save(ranks: Sequence[dict[str, Any]], config: Config, goals: list[Goal]) -> dict[str, Any]:
+    per_rank = _results(ranks, "async_save")
+    summary: dict[str, Any] = {}
+    for variant in per_rank[0]:
+        rows: dict[str, Any] = {}
+        for side in ("sync", "async"):
+            # A save blocks the run as long as its slowest rank blocks (the next collective waits for it).
+            blocked = _max_over_ranks([rank[variant][side]["blocked_s"] for rank in per_rank])
+            rows[side] = stats(blocked)
+            rows[f"{side}_end_of_fit"] = max(rank[variant][side]["end_of_fit_s"] for rank in per_rank)
+        rows["staged_bytes_per_rank"] = [rank[variant]["staged_bytes"] for rank in per_rank]
+        rows["blocked_ratio"] = _ratio(rows["async"]["median"], rows["sync"]["median"])
+        summary[variant] = rows
+        strategy, rest = variant.split("/", 1)
+        kind, _, model = rest.partition("@")
+        label = f"{'GPT-2 ' if model == 'gpt2' else ''}{kind}"
+        goals.append(
+            Goal(
+                "async_save",
+                strategy,
+                f"{label}: step loop blocked per save, async_save=True / synchronous",
+                rows["blocked_ratio"],
+                ASYNC_BLOCKED_GOAL,
+            )
+        )
+        goals.append(
+            Goal(
+                "async_save",
+                strategy,
+                f"{label}: CPU staging copy, rank 0 (MB)",
+                rows["staged_bytes_per_rank"][0] / 1e6,
+                None,
+                " MB",
+            )
+        )
+    return summary
+
+
 SUMMARIZERS = {
     "overhead": summarize_overhead,
     "save": summarize_save,
     "resume": summarize_resume,
     "memory": summarize_memory,
     "scaling": summarize_scaling,
+    "async_save": summarize_async_save,
 }
 
 
@@ -547,4 +590,17 @@ def details_markdown(summary: dict[str, Any]) -> str:
                     f" {_ms(point['save_s']['median'])} | {_ms(point['load_s']['median'])} |"
                 )
         parts.append("**Scaling**\n\n" + "\n".join(lines))
+    if "async_save" in summary:
+        lines = [
+            "| strategy / format | blocked per save, synchronous ms | asynchronous ms | async / sync"
+            " | end of fit (last commit) ms, sync / async | staging copy MB, rank 0 / rank 1 |",
+            "|---|---|---|---|---|---|",
+        ]
+        for variant, row in summary["async_save"].items():
+            staged = " / ".join(f"{value / 1e6:.1f}" for value in row["staged_bytes_per_rank"])
+            lines.append(
+                f"| `{variant}` | {span(row['sync'])} | {span(row['async'])} | {row['blocked_ratio']:.2f} |"
+                f" {_ms(row['sync_end_of_fit'])} / {_ms(row['async_end_of_fit'])} | {staged} |"
+            )
+        parts.append("**Asynchronous saves: the step loop blocked per save**\n\n" + "\n".join(lines))
     return "\n\n".join(parts)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import memory, overhead, resume, save, scaling
+from . import async_save, memory, overhead, resume, save, scaling
 from .config import Config
 
 SUITES: dict[str, Callable[[Config, Path], dict[str, Any]]] = {
@@ -28,6 +28,7 @@ SUITES: dict[str, Callable[[Config, Path], dict[str, Any]]] = {
     "resume": resume.run,
     "memory": memory.run,
     "scaling": scaling.run,
+    "async_save": async_save.run,
 }
 
 

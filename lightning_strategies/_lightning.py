@@ -171,9 +171,12 @@ def checkpoint_connector(trainer: pl.Trainer) -> Any | None:
     return getattr(trainer, "_checkpoint_connector", None)
 
 
-def dump_checkpoint(trainer: pl.Trainer, weights_only: bool) -> dict[str, Any]:
-    """The checkpoint ``trainer.save_checkpoint`` would write now, as a dict (every rank runs the dump's hooks)."""
-    dumped: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(weights_only)
+def dump_checkpoint(trainer: pl.Trainer, with_training_state: bool) -> dict[str, Any]:
+    """The checkpoint ``trainer.save_checkpoint`` would write now, as a dict (every rank runs the dump's hooks).
+
+    ``with_training_state=False`` is Lightning's ``weights_only`` dump: no optimizer, scheduler or loop state.
+    """
+    dumped: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(not with_training_state)
     return dumped
 
 

@@ -29,6 +29,7 @@ NOT_FAIRSCALE_S = {
     "_handles": "UnitCallGuard's own hook handles",
     "_fsdp_wrapped_module": "a key segment of the checkpoint format: every reader of FSDP checkpoints strips it",
     "_fpw_module": "a key segment of the checkpoint format: every reader of FSDP checkpoints strips it",
+    "_fields": "collections.namedtuple's own attribute (a staged copy rebuilds named tuples)",
 }
 
 # torch.distributed's collectives (and point-to-point calls): what checkpoint/ must never run.

@@ -29,6 +29,8 @@ PRIVATE = re.compile(r"_[A-Za-z0-9]\w*\Z")
 
 #: The package's own names that Lightning happens to use too: allowed on ``self``/``super()`` and as methods only.
 OWN = {
+    "_group": "AsyncSaves' gloo group for background writes",
+    "_strategy": "AsyncSaves' reference to its strategy",
     "_after_closure": "DirectReferenceStrategy's hook that runs in place of the precision plugin's",
     "_connector": "RequeueAtStepBoundary's reference to the signal connector",
     "_device_mesh": "FSDP2Strategy's mesh",

@@ -94,6 +94,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         state_dict_type: ``"full"`` (one canonical file) or ``"sharded"`` (a directory, one file per rank).
         broadcast_buffers: Give every rank global rank 0's buffers that change in training (BatchNorm running
             statistics) before each forward, as ``ddp`` does; ``False`` keeps each rank's own (no collective).
+        async_save: Write checkpoints in a background thread while training goes on (see the user guide,
+            "Asynchronous saves"); only gathering or staging to the CPU blocks the step.
         **fsdp_kwargs: Passed to every ``FullyShardedDataParallel``: ``flatten_parameters``,
             ``reshard_after_forward``, ``mixed_precision``, ``compute_dtype``, ``fp32_reduce_scatter``,
             ``bucket_cap_mb``, ``cpu_offload``, ``move_grads_to_cpu``, ``state_dict_on_rank_0_only`` (default
@@ -120,6 +122,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         auto_wrap_min_params: int | None = 100_000_000,
         state_dict_type: Literal["full", "sharded"] = "full",
         broadcast_buffers: bool = True,
+        async_save: bool = False,
         **fsdp_kwargs: Any,
     ) -> None:
         refuse_unknown_fsdp_kwargs(fsdp_kwargs)
@@ -133,6 +136,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             timeout=timeout,
             start_method=start_method,
             hand_back=hand_back,
+            async_save=async_save,
         )
         self._fsdp_kwargs = {"state_dict_on_rank_0_only": True, **fsdp_kwargs}
         self._auto_wrap_min_params = auto_wrap_min_params

@@ -118,6 +118,8 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         hand_back: After a fork/spawn fit, ``"checkpoint"`` (the main process can save a complete checkpoint) or
             ``"weights"`` (weights only, less memory in the main process).
+        async_save: Write checkpoints in a background thread while training goes on (see the user guide,
+            "Asynchronous saves"); only gathering or staging to the CPU blocks the step.
         **sharded_ddp_kwargs: Passed to ``fairscale.nn.ShardedDataParallel`` (``broadcast_buffers``,
             ``reduce_buffer_size``, ``auto_refresh_trainable``, ``reduce_fp16``, ...). ``reduce_buffer_size``
             defaults to 0 here (fairscale: 2**23): with buckets, gradients must be zeroed in place, so the
@@ -141,6 +143,7 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
         hand_back: HandBack = "checkpoint",
+        async_save: bool = False,
         **sharded_ddp_kwargs: Any,
     ) -> None:
         unknown = sorted(set(sharded_ddp_kwargs) - SHARDED_DDP_KWARGS)
@@ -165,6 +168,7 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
             timeout=timeout,
             start_method=start_method,
             hand_back=hand_back,
+            async_save=async_save,
         )
         self._sharded_ddp_kwargs = {"reduce_buffer_size": 0, **sharded_ddp_kwargs}
         self._prescaled_gradients: list[Tensor] = []

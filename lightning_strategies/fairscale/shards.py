@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,8 @@ class FairScaleLocalShards(ShardedFormat):
     """Rank files of ``local_state_dict()`` flat shards and the flat optimizer states, read back in place at the same
     world size, wrapping and param groups (anything else is consolidated)."""
 
+    writes_in_background = True
+
     def __init__(self, strategy: FairScaleFSDPStrategy) -> None:
         self.strategy = strategy
         self._source = "the rank file"  # this rank's file, once opened
@@ -65,15 +68,21 @@ class FairScaleLocalShards(ShardedFormat):
 
     @override
     def write(self, checkpoint: Mapping[str, Any], directory: Path, staging: Path, save_id: str) -> None:
+        self.background_writer(checkpoint, directory, staging, save_id, None)()
+
+    @override
+    def background_writer(
+        self, checkpoint: Mapping[str, Any], directory: Path, staging: Path, save_id: str, process_group: Any
+    ) -> Callable[[], None]:
         strategy = self.strategy
         shard = {
             "state_dict": checkpoint["state_dict"],
             "optimizer_states": checkpoint.get("optimizer_states", []),
-            SHARDED_LAYOUT_KEY: self.layout(),
+            SHARDED_LAYOUT_KEY: self.layout(),  # read from the strategy now, in the foreground
             SHARDED_SAVE_KEY: save_stamp(save_id, strategy.world_size, strategy.global_rank),
         }
         rank_file = staging / SHARDED_RANK_FILE.format(rank=strategy.global_rank)
-        strategy.sharded_checkpoint_io.save_checkpoint(shard, rank_file)
+        return partial(strategy.sharded_checkpoint_io.save_checkpoint, shard, rank_file)
 
     def layout(self) -> dict[str, Any]:
         """What a rank file needs to be turned into canonical state offline (plain values, ``weights_only``-safe).

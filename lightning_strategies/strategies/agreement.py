@@ -37,6 +37,7 @@ RUN_STATE_ATTRIBUTES = frozenset(
         "_stop_verdict",
         "_inside_steps",
         "_stops",
+        "_async_saves",  # the pending asynchronous save
     }
 )
 

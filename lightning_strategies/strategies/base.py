@@ -51,6 +51,7 @@ from .._lightning import (
     trainer_of,
 )
 from .agreement import agree_on_resume_path, forget_resume_path_check, options_fingerprint, require_agreement
+from .async_saves import AsyncSaves
 from .atomic_io import AtomicTorchCheckpointIO
 from .buffers import RankZeroBuffers
 from .checkpointing import CheckpointFlow, StateDictType
@@ -87,6 +88,9 @@ class DirectReferenceStrategy(FailureHandling, GradientRouting, CheckpointFlow):
         hand_back: What a fork/spawn fit hands back to the main process: ``"checkpoint"`` (everything
             ``trainer.save_checkpoint`` needs there, costing one canonical copy of the optimizer states in the main
             process) or ``"weights"`` (the weights only, as upstream).
+        async_save: Write checkpoints in a background thread while training goes on: only gathering (full files) or
+            copying this rank's shards to the CPU (sharded directories) blocks the step; the save is committed when
+            the ranks next meet (the next save, the end of ``fit``, ``teardown``). See :mod:`.async_saves`.
     """
 
     #: Registry name, also written into each checkpoint's metadata block.
@@ -111,6 +115,7 @@ class DirectReferenceStrategy(FailureHandling, GradientRouting, CheckpointFlow):
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
         hand_back: HandBack = "checkpoint",
+        async_save: bool = False,
     ) -> None:
         if hand_back not in HAND_BACK_OPTIONS:
             raise ValueError(f"hand_back must be one of {', '.join(map(repr, HAND_BACK_OPTIONS))}, got {hand_back!r}.")
@@ -127,6 +132,8 @@ class DirectReferenceStrategy(FailureHandling, GradientRouting, CheckpointFlow):
         self._timeout = timeout
         self._start_method: StartMethod = start_method
         self._hand_back: HandBack = hand_back
+        self._async_save = async_save
+        self._async_saves = AsyncSaves(self)
         self._checkpoint_source = "the checkpoint"
         self._sharded_reader: ShardedFormat | None = None  # the format restoring the directory being loaded
         self._failure_timeout: float | None = None
@@ -365,7 +372,24 @@ class DirectReferenceStrategy(FailureHandling, GradientRouting, CheckpointFlow):
         self._requeue.at_step_boundary(self.root_device)
 
     @override
+    def on_train_start(self) -> None:
+        if self._async_save:
+            self._async_saves.open()  # saves from here to on_train_end run in the background
+        super().on_train_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self._async_saves.end_of_training()  # the pending asynchronous save is committed, or its error raised
+        super().on_train_end()
+
+    @override
     def teardown(self) -> None:
+        try:  # while the ranks are together: commits the pending asynchronous save (after a failure: drops it)
+            self._async_saves.close(self._failed, self.failure_timeout)
+        finally:
+            self._release_after_run()
+
+    def _release_after_run(self) -> None:
         self._requeue.remove()
         module = self.lightning_module
         trainer = trainer_of(module) if module is not None else None

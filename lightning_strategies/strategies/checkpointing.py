@@ -64,6 +64,9 @@ from .atomic_io import finish_background_writes, synchronous_checkpoint_io
 from .launcher import CanonicalStateLauncher
 from .sharded_format import ShardedFormat
 
+if TYPE_CHECKING:
+    from .async_saves import AsyncSaves
+
 StateDictType = Literal["full", "sharded"]
 
 
@@ -81,6 +84,7 @@ class CheckpointFlow(ParallelStrategy):
         strategy_name: ClassVar[str]
         _checkpoint_source: str  # names what is being restored, in every error message
         _sharded_reader: ShardedFormat | None  # the format restoring the directory being loaded
+        _async_saves: AsyncSaves  # saves written in the background (async_save=True)
 
         def require_lightning_module(self) -> pl.LightningModule: ...
 
@@ -172,6 +176,8 @@ class CheckpointFlow(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self._async_saves.save(checkpoint, filepath, storage_options):
+            return  # its files are written in the background; committed when the ranks next meet
         if self._saves_sharded:
             sharded = self._require_sharded_format()
             directory = Path(filepath)
@@ -197,8 +203,11 @@ class CheckpointFlow(ParallelStrategy):
 
         A checkpoint that is not there yet may still be written by ``AsyncCheckpointIO`` in the background (saves
         are atomic: the path appears when its write is done); the removal waits for that write, which would
-        otherwise put it there afterwards.
+        otherwise put it there afterwards. While an asynchronous save (``async_save=True``) is pending, the removal
+        waits until that save is committed: an old checkpoint goes only once the new one is complete.
         """
+        if self._async_saves.defer_removal(partial(self.remove_checkpoint, filepath)):
+            return  # removed once the pending asynchronous save is complete
         if self.is_global_zero and ("://" in str(filepath) or not os.path.lexists(filepath)):
             finish_background_writes(self.checkpoint_io)
         super().remove_checkpoint(filepath)

@@ -100,6 +100,8 @@ class FSDP2Strategy(DirectReferenceStrategy):
         broadcast_buffers: Give every rank global rank 0's buffers that change in training (BatchNorm running
             statistics) before each forward, as ``ddp`` does; ``False`` keeps each rank's own (no collective).
 
+        async_save: Write checkpoints in a background thread while training goes on (see the user guide,
+            "Asynchronous saves"); only gathering or staging to the CPU blocks the step.
     Raises:
         ValueError: An unknown ``state_dict_type``.
     """
@@ -127,6 +129,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         activation_checkpointing: Iterable[type[Module]] = (),
         state_dict_type: Literal["full", "sharded"] = "full",
         broadcast_buffers: bool = True,
+        async_save: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -138,6 +141,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
             timeout=timeout,
             start_method=start_method,
             hand_back=hand_back,
+            async_save=async_save,
         )
         self._shard_module_classes = tuple(shard_module_classes)
         self._min_num_params = min_num_params

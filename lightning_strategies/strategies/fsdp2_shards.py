@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ class DcpShards(ShardedFormat):
     """DCP directories: each rank writes its DTensor shards (whole tensors from rank 0); any world size reads them."""
 
     collective_write = True
+    writes_in_background = True
 
     def __init__(self, strategy: FSDP2Strategy) -> None:
         self.strategy = strategy
@@ -72,6 +74,12 @@ class DcpShards(ShardedFormat):
 
     @override
     def write(self, checkpoint: Mapping[str, Any], directory: Path, staging: Path, save_id: str) -> None:
+        self.background_writer(checkpoint, directory, staging, save_id, None)()
+
+    @override
+    def background_writer(
+        self, checkpoint: Mapping[str, Any], directory: Path, staging: Path, save_id: str, process_group: Any
+    ) -> Callable[[], None]:
         layout = MODEL_PARALLEL_LAYOUT  # upstream ModelParallelStrategy's: each reads the other's directories
         state = {
             layout.model_key: checkpoint["state_dict"],
@@ -81,12 +89,7 @@ class DcpShards(ShardedFormat):
             },
             **dcp_stamps(save_id, self.strategy.global_rank),
         }
-        try:
-            # Buffers and other whole tensors from rank 0, as under ddp (each rank keeps its own running stats).
-            dcp_save(state, checkpoint_id=staging, planner=rank_zero_save_planner())
-        except CheckpointException as error:  # does not survive the trip to the launching process: re-told
-            raise_if_disk_full(error, directory)
-            raise RuntimeError(f"Saving sharded checkpoint {str(directory)!r} failed: {error}") from None
+        return partial(_dcp_write, state, directory, staging, process_group)
 
     # ------------------------------------------------------------------ restore
 
@@ -161,3 +164,14 @@ class DcpShards(ShardedFormat):
         options = StateDictOptions(strict=False)
         for optimizer, state in zip(optimizers, templates, strict=True):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=options)
+
+
+def _dcp_write(state: dict[str, Any], directory: Path, staging: Path, process_group: Any) -> None:
+    """``torch.distributed.checkpoint.save`` of ``state`` into ``staging`` (a collective on ``process_group``, the
+    default group when ``None``)."""
+    try:
+        # Buffers and other whole tensors from rank 0, as under ddp (each rank keeps its own running stats).
+        dcp_save(state, checkpoint_id=staging, planner=rank_zero_save_planner(), process_group=process_group)
+    except CheckpointException as error:  # does not survive the trip to the launching process: re-told
+        raise_if_disk_full(error, directory)
+        raise RuntimeError(f"Saving sharded checkpoint {str(directory)!r} failed: {error}") from None

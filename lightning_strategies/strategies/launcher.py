@@ -153,7 +153,7 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
             return  # not fitting, or the launching process tearing down after a failure
         if self._hand_back == "checkpoint" and self._source.checkpoint_metadata().state_dict_type == "full":
             # The full dump (False: not weights-only), as trainer.save_checkpoint(path) makes it.
-            checkpoint = dump_checkpoint(trainer, weights_only=False)
+            checkpoint = dump_checkpoint(trainer, with_training_state=True)
             self._end_of_fit_weights = checkpoint.pop("state_dict")
             self._end_of_fit_state = checkpoint if self._launched_strategy.is_global_zero else None
         else:  # a sharded save would dump shards: hand back the canonical weights only

@@ -10,7 +10,7 @@ validation on every rank and the ranks' agreement before any weight changes, the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,6 +31,9 @@ class ShardedFormat(ABC):
     #: ``write`` returns on rank 0 only once every rank's files are written (``torch.distributed.checkpoint.save``
     #: does: its last step gathers every rank's write results), so no barrier is needed before the swap.
     collective_write: ClassVar[bool] = False
+    #: :meth:`background_writer` is implemented: asynchronous saves (``async_save=True``) write this format in a
+    #: background thread; formats without it are written synchronously under that option.
+    writes_in_background: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ save
 
@@ -49,6 +52,25 @@ class ShardedFormat(ABC):
 
         ``meta.pt`` (everything but the model and optimizer states) is written by the base class afterwards.
         """
+
+    def background_writer(
+        self, checkpoint: Mapping[str, Any], directory: Path, staging: Path, save_id: str, process_group: Any
+    ) -> Callable[[], None]:
+        """:meth:`write` split for an asynchronous save: reads now whatever it needs of the strategy and returns the
+        file writes alone, which run in a background thread while training goes on.
+
+        Args:
+            checkpoint: A CPU copy of what Lightning dumped (training may change the live tensors meanwhile).
+            directory: The checkpoint directory.
+            staging: Where this rank's files go.
+            save_id: The save id to stamp them with.
+            process_group: For a :attr:`collective_write` format: the group the returned writer's collectives run on
+                (training's collectives keep the default group meanwhile); else ``None``.
+
+        Raises:
+            NotImplementedError: The format does not set :attr:`writes_in_background`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not write in the background.")
 
     # ------------------------------------------------------------------ restore
 

@@ -1,0 +1,134 @@
+"""Benchmark 6: how long a save blocks the step loop, synchronous against asynchronous (``async_save=True``), per
+strategy and checkpoint format, and the memory the CPU staging copy of an asynchronous save adds."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch.distributed as dist
+
+from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy, ShardedDDPStrategy
+from lightning_strategies.strategies.base import DirectReferenceStrategy
+
+from .config import Config
+from .lightning_side import trainer
+from .measure import barrier
+from .models import BenchModule, lightning_loader, workload
+
+#: (strategy, state_dict_type) of each variant; ``ddp_sharded`` writes full files only.
+FORMATS: tuple[tuple[str, str], ...] = (
+    ("ddp_sharded", "full"),
+    ("fsdp_fairscale", "full"),
+    ("fsdp_fairscale", "sharded"),
+    ("fsdp2", "full"),
+    ("fsdp2", "sharded"),
+)
+#: Variants also measured on the GPT-2 (the overhead benchmark trains it under ``fsdp2`` only).
+GPT2_FORMATS: tuple[tuple[str, str], ...] = (("fsdp2", "full"), ("fsdp2", "sharded"))
+#: Steps between two saves: enough for the background write of the one before to finish on a busy machine.
+STEPS_BETWEEN_SAVES = 12
+WARMUP_STEPS = 2
+
+
+def variant_key(name: str, state_dict_type: str, model: str) -> str:
+    """How results name a variant: ``fsdp2/sharded`` (MLP) or ``fsdp2/sharded@gpt2``."""
+    return f"{name}/{state_dict_type}" + ("" if model == "mlp" else f"@{model}")
+
+
+def _strategy(name: str, state_dict_type: str, module: BenchModule, async_save: bool) -> DirectReferenceStrategy:
+    if name == "ddp_sharded":
+        return ShardedDDPStrategy(async_save=async_save)
+    if name == "fsdp_fairscale":
+        return FairScaleFSDPStrategy(state_dict_type=state_dict_type, async_save=async_save)  # type: ignore[arg-type]
+    return FSDP2Strategy(
+        state_dict_type=state_dict_type,  # type: ignore[arg-type]
+        shard_module_classes=module.block_classes(),
+        async_save=async_save,
+    )
+
+
+class _BlockedTimer(pl.Callback):
+    """Saves every ``STEPS_BETWEEN_SAVES`` steps after the warm-up and records how long each save call blocked this
+    rank (it includes waiting for and committing the save before it), and the staging copy's size."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.blocked: list[float] = []
+        self.waited: list[float] = []  # of which: waiting for the save before (write, agreement, commit)
+        self.started: list[float] = []  # of which: starting this one (staging copy included)
+        self.staged_bytes = 0
+        self.end_of_fit_s = 0.0
+        self._end_started = 0.0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        step = trainer.global_step
+        if step <= WARMUP_STEPS or (step - WARMUP_STEPS) % STEPS_BETWEEN_SAVES:
+            return
+        start = time.perf_counter()
+        trainer.save_checkpoint(self.path)
+        self.blocked.append(time.perf_counter() - start)
+        saves = getattr(trainer.strategy, "_async_saves", None)
+        if saves is not None and saves.pending:
+            self.staged_bytes = saves.last_staged_bytes
+            self.waited.append(saves.last_wait_s)
+            self.started.append(saves.last_start_s)
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._end_started = time.perf_counter()  # the strategy's on_train_end (the last commit) runs after this
+
+    def on_fit_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.end_of_fit_s = time.perf_counter() - self._end_started
+
+
+def _remove(path: Path) -> None:
+    if dist.get_rank() == 0:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    barrier()
+
+
+def measure(config: Config, name: str, state_dict_type: str, model: str, saves: int, workdir: Path) -> dict[str, Any]:
+    """One fit with ``saves`` synchronous saves and one with as many asynchronous ones; per-rank blocked seconds."""
+    work = workload(config, model)
+    steps = WARMUP_STEPS + saves * STEPS_BETWEEN_SAVES
+    result: dict[str, Any] = {}
+    for side, async_save in (("sync", False), ("async", True)):
+        path = workdir / "checkpoints" / f"async-bench-{variant_key(name, state_dict_type, model)}-{side}.ckpt"
+        path = path.with_name(path.name.replace("/", "-").replace("@", "-"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove(path)
+        module = work.new_model()
+        timer = _BlockedTimer(path)
+        data = work.data(work.batch_size * dist.get_world_size() * steps)
+        trainer(_strategy(name, state_dict_type, module, async_save), [timer], max_steps=steps).fit(
+            module, train_dataloaders=lightning_loader(data, work.batch_size)
+        )
+        result[side] = {
+            "blocked_s": timer.blocked,
+            "waited_s": timer.waited,
+            "started_s": timer.started,
+            "end_of_fit_s": timer.end_of_fit_s,
+        }
+        if async_save:
+            result["staged_bytes"] = timer.staged_bytes
+        _remove(path)
+    return result
+
+
+def run(config: Config, workdir: Path) -> dict[str, Any]:
+    """Blocked time per save, synchronous and asynchronous, for every format of the configured strategies (and the
+    GPT-2 under ``fsdp2``, when the configuration trains it)."""
+    saves = 1 if config.smoke else config.repeats
+    variants = [(name, kind, "mlp") for name, kind in FORMATS if name in config.strategies]
+    if "gpt2" in config.upstream_checkpoint_models:
+        variants += [(name, kind, "gpt2") for name, kind in GPT2_FORMATS if name in config.strategies]
+    return {
+        variant_key(name, kind, model): measure(config, name, kind, model, saves, workdir)
+        for name, kind, model in variants
+    }

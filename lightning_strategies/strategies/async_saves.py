@@ -1,0 +1,407 @@
+"""Asynchronous saves (``async_save=True``): the step loop waits only for the part of a save that needs the ranks.
+
+A save runs in two parts. In the foreground, on every rank: what needs the ranks together or the live state —
+gathering to rank 0 (full files) or this rank's shards — copied to the CPU (the *staging copy*), so that the next
+optimizer step may change the weights at once. In a background thread: the file writes (``torch.save`` of the copy on
+rank 0; each rank's files of a sharded directory, ``torch.distributed.checkpoint`` on a gloo group of its own).
+
+The save is then *pending*. The ranks agree on its outcome (one all-gather) and, when every rank's write succeeded,
+rank 0 commits it: a sharded directory gets ``meta.pt`` and is swapped into place only then; a full file is already in
+place, renamed atomically by its own write. For a sharded save the background threads do this among themselves, on a
+gloo group of their own, as soon as every rank's files are written; for a full file the main threads do it. Either way
+the step loop learns the outcome when the ranks next meet — at the next save, at the end of training
+(``on_train_end``) or in ``teardown`` — which wait for the pending save, and only then are the checkpoints
+``ModelCheckpoint`` dropped meanwhile removed. When a write failed on any rank, every rank raises
+:class:`AsyncSaveError` there and the previous checkpoint stays. A kill at any point leaves the previous checkpoint:
+nothing of a save is visible at its path before its commit.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_strategies.checkpoint.atomic import raise_if_disk_full, replace_directory
+from lightning_strategies.checkpoint.metadata import METADATA_KEY
+from lightning_strategies.checkpoint.sharded import (
+    SHARDED_STATE_KEYS,
+    new_save_id,
+    remove_stale_saves,
+    staging_directory,
+    write_sharded_meta,
+)
+
+from .._lightning import _PATH, _distributed_is_initialized, trainer_of
+from .agreement import agree_on_sharded_save, require_same_save_path
+
+if TYPE_CHECKING:
+    from .base import DirectReferenceStrategy
+
+log = logging.getLogger(__name__)
+
+
+class AsyncSaveError(RuntimeError):
+    """The background write of an asynchronous save failed on some rank; raised on every rank.
+
+    Nothing of that save is at its path: the path holds the previous checkpoint, and the checkpoints
+    ``ModelCheckpoint`` meant to remove after it are kept.
+    """
+
+
+def write_in_background(write: Callable[[], None]) -> None:
+    """Runs one rank's file writes of a save, in the background thread (a seam: tests slow it down or fail it)."""
+    write()
+
+
+def staged_copy(value: Any) -> Any:
+    """``value`` with every tensor copied to the CPU and every container rebuilt: what a background write may read
+    while training goes on (the live tensors change at the next step). Other values are shared (plain values)."""
+    if isinstance(value, DTensor):  # a DTensor whose local shard is a CPU copy
+        if value.device.type != "cpu":
+            return value.detach().to("cpu")
+        return DTensor.from_local(
+            value.to_local().detach().clone(),
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    if isinstance(value, Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        rebuilt = copy.copy(value)  # keeps the mapping's type (OrderedDict, Lightning's AttributeDict, ...)
+        for key, item in value.items():
+            rebuilt[key] = staged_copy(item)
+        return rebuilt
+    if isinstance(value, Mapping):
+        return {key: staged_copy(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [staged_copy(item) for item in value]
+    if isinstance(value, tuple):
+        items = [staged_copy(item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def staged_bytes(value: Any) -> int:
+    """Bytes of the tensors of a staging copy (a DTensor counts its local shard)."""
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        return local.numel() * local.element_size()
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, Mapping):
+        return sum(staged_bytes(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(staged_bytes(item) for item in value)
+    return 0
+
+
+def _everyone(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``value`` in rank order (a collective on ``group``, the default group when ``None``); alone:
+    ``[value]``."""
+    if not _distributed_is_initialized() or torch.distributed.get_world_size() < 2:
+        return [value]
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, value, group=group)
+    return gathered
+
+
+def _described(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+@dataclass
+class _Save:
+    """A save whose writes were started; on rank 0 what commits or discards it."""
+
+    target: str
+    sharded: bool
+    write: Callable[[], None] | None  # dropped once run: the staging copy it holds is freed then
+    thread: threading.Thread | None = None
+    errors: list[BaseException] = field(default_factory=list)
+    commit: Callable[[], None] | None = None
+    discard: Callable[[], None] | None = None
+    #: The group the background threads agree and commit on (sharded saves); ``None``: the main thread does it.
+    group: Any = None
+    agreed: bool = False
+    failed: list[tuple[int, str]] = field(default_factory=list)  # (rank, error) of each rank whose write failed
+    commit_failure: str | None = None  # rank 0's commit error, as every rank learnt it
+    commit_error: BaseException | None = None  # the same on rank 0
+
+    def agree(self) -> None:
+        """The ranks agree on the writes' outcome (a collective on :attr:`group`); when every write succeeded rank 0
+        commits the save, and every rank learns whether it did. Sets :attr:`failed` and :attr:`commit_failure`."""
+        error = self.errors[0] if self.errors else None
+        everyone = _everyone(None if error is None else _described(error), self.group)
+        self.failed = [(rank, text) for rank, text in enumerate(everyone) if text is not None]
+        if self.failed:
+            if self.discard is not None:
+                self.discard()
+        elif self.sharded:
+            committed: str | None = None
+            if self.commit is not None:
+                try:
+                    self.commit()
+                except BaseException as caught:
+                    if self.discard is not None:
+                        self.discard()
+                    self.commit_error, committed = caught, _described(caught)
+            self.commit_failure = _everyone(committed, self.group)[0]
+        self.agreed = True
+
+
+class AsyncSaves:
+    """The asynchronous saves of one strategy: at most one pending save, its background thread, its commit, the
+    removals that wait for it, and the error of its writes (raised on every rank when the ranks next meet).
+
+    Args:
+        strategy: The strategy whose saves these are.
+    """
+
+    def __init__(self, strategy: DirectReferenceStrategy) -> None:
+        self._strategy = strategy
+        self._pending: _Save | None = None
+        self._removals: list[Callable[[], None]] = []
+        self._group: Any = None  # the gloo group background DCP writes run their collectives on
+        self._open = False  # between on_train_start and on_train_end: saves run asynchronously
+        #: Bytes of tensors this rank copied for its last asynchronous save (its staging copy).
+        self.last_staged_bytes = 0
+        #: Seconds the last save waited for the save before it (its writes, the agreement, the commit, removals).
+        self.last_wait_s = 0.0
+        #: Seconds the last asynchronous save took to start (agreement on the path, staging copy, thread start).
+        self.last_start_s = 0.0
+
+    @property
+    def pending(self) -> bool:
+        """Whether a save was started whose outcome the ranks have not agreed on yet."""
+        return self._pending is not None
+
+    # ------------------------------------------------------------------ saving
+
+    def open(self) -> None:
+        """Saves from now on run asynchronously (the start of training: ``on_train_start``, on every rank).
+
+        Sharded saves get their gloo group here, where every rank is anyway, rather than in the first save (creating
+        a group takes a collective and a few hundred milliseconds on a busy machine): the background threads agree on
+        a save's outcome and commit it on that group (and DCP's writes run their collectives there).
+        """
+        self._open = True
+        strategy = self._strategy
+        if strategy._saves_sharded and _distributed_is_initialized():
+            sharded = strategy.sharded_format()
+            if sharded is not None and sharded.writes_in_background:
+                self._background_group()
+
+    def _applies(self) -> bool:
+        """Whether this save runs asynchronously: only between ``on_train_start`` and ``on_train_end``, where a later
+        point (the next save, ``on_train_end``, ``teardown``) is sure to commit it, and not in a run that is being
+        interrupted. Elsewhere (after training, in the launching process of a fork/spawn run) saves are synchronous."""
+        module = self._strategy.lightning_module
+        trainer = trainer_of(module) if module is not None else None
+        return self._open and _distributed_is_initialized() and trainer is not None and not trainer.interrupted
+
+    def save(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> bool:
+        """Finishes the pending save, then starts this one in the background when it may be.
+
+        Returns:
+            Whether this save was started here; ``False``: the strategy saves synchronously.
+
+        Raises:
+            AsyncSaveError: The pending save failed (on every rank).
+        """
+        started = time.perf_counter()
+        self.finish()
+        self.last_wait_s = time.perf_counter() - started
+        if not self._applies():
+            return False
+        started = time.perf_counter()
+        try:
+            return self._start_save(checkpoint, filepath, storage_options)
+        finally:
+            self.last_start_s = time.perf_counter() - started
+
+    def _start_save(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None) -> bool:
+        strategy = self._strategy
+        if strategy._saves_sharded:
+            sharded = strategy._require_sharded_format()
+            if not sharded.writes_in_background:  # the format cannot split its write: written synchronously
+                return False
+            directory = Path(filepath)
+            save_id = agree_on_sharded_save(directory, new_save_id())
+            staging = staging_directory(directory, save_id)
+            group = self._background_group() if sharded.collective_write else None  # the writes' collectives
+            staged = staged_copy(checkpoint)
+            writer = sharded.background_writer(staged, directory, staging, save_id, group)
+            self.last_staged_bytes = staged_bytes(staged)
+            if strategy.is_global_zero:
+                remove_stale_saves(directory, keep=staging)
+            staging.mkdir(parents=True, exist_ok=True)
+            metadata = strategy.checkpoint_metadata()
+            rest = {key: value for key, value in staged.items() if key not in SHARDED_STATE_KEYS}  # meta.pt's part
+
+            def commit() -> None:
+                write_sharded_meta(strategy.sharded_checkpoint_io, rest, metadata, staging, save_id)
+                replace_directory(staging, directory, save_id)
+
+            self._start_in_background(
+                str(directory),
+                writer,
+                sharded=True,
+                commit=commit if strategy.is_global_zero else None,
+                discard=partial(shutil.rmtree, staging, ignore_errors=True) if strategy.is_global_zero else None,
+                group=self._background_group(),  # every rank writes: their threads agree and commit on their own
+            )
+            return True
+        require_same_save_path(filepath)  # a rank's different path would be silently ignored
+        full_writer: Callable[[], None] | None = None
+        if strategy.is_global_zero:
+            staged = staged_copy({**checkpoint, METADATA_KEY: strategy.checkpoint_metadata().to_dict()})
+            self.last_staged_bytes = staged_bytes(staged)
+            io = strategy.sharded_checkpoint_io  # written in this thread: no AsyncCheckpointIO on top
+            full_writer = partial(io.save_checkpoint, staged, filepath, storage_options=storage_options)
+        self._start_in_background(str(filepath), full_writer, sharded=False)
+        return True
+
+    def _start_in_background(
+        self,
+        target: str,
+        write: Callable[[], None] | None,
+        *,
+        sharded: bool,
+        commit: Callable[[], None] | None = None,
+        discard: Callable[[], None] | None = None,
+        group: Any = None,
+    ) -> None:
+        save = _Save(target, sharded, write, commit=commit, discard=discard, group=group)
+        if write is not None:
+
+            def run() -> None:
+                writes, save.write = save.write, None
+                try:
+                    try:
+                        if writes is not None:
+                            write_in_background(writes)
+                    except BaseException as error:
+                        raise_if_disk_full(error, Path(target))
+                        raise
+                except BaseException as error:  # kept for the ranks' agreement: raised on every rank there
+                    save.errors.append(error)
+                finally:
+                    del writes
+                if save.group is not None:  # the writes' threads meet on their own group; the step loop goes on
+                    try:
+                        save.agree()
+                    except BaseException as error:  # the agreement itself failed (a peer gone): the save is lost
+                        save.failed = [(-1, _described(error))]
+                        save.agreed = True
+
+            # A daemon: a run that failed does not wait at exit for a write nobody will commit.
+            save.thread = threading.Thread(target=run, name=f"lightning_strategies async save {target}", daemon=True)
+            save.thread.start()
+        self._pending = save
+
+    def _background_group(self) -> Any:
+        """A gloo group of the same ranks for the background writes' collectives (created once, by every rank: a
+        collective); training's collectives stay alone on the default group."""
+        if self._group is None:
+            self._group = torch.distributed.new_group(backend="gloo")
+        return self._group
+
+    # ------------------------------------------------------------------ the ranks meet
+
+    def defer_removal(self, remove: Callable[[], None]) -> bool:
+        """Keeps ``remove`` (a checkpoint ``ModelCheckpoint`` no longer keeps) until the pending save is committed.
+
+        Returns:
+            Whether it was kept; ``False``: nothing is pending, remove it now.
+        """
+        if self._pending is None:
+            return False
+        self._removals.append(remove)
+        return True
+
+    def finish(self) -> None:
+        """Waits for the pending save's writes, agrees on their outcome and commits it (a collective: every rank calls
+        it, at the same point); then the removals that waited for it run. Nothing pending: returns at once.
+
+        Raises:
+            AsyncSaveError: A background write failed on some rank (on every rank; the previous checkpoint stays), or
+                rank 0's commit failed.
+        """
+        save, self._pending = self._pending, None
+        if save is None:
+            return
+        if save.thread is not None:
+            save.thread.join()
+        if not save.agreed:  # a full file: the ranks agree here
+            save.agree()
+        error = save.errors[0] if save.errors else None
+        if save.failed:
+            self._removals.clear()  # the older checkpoints stay: the new one did not appear
+            ranks = ", ".join(str(rank) for rank, _ in save.failed)
+            raise AsyncSaveError(
+                f"The asynchronous save of {save.target!r} failed on rank {ranks} ({save.failed[0][1]}); its path holds"
+                " the previous checkpoint, and no older checkpoint was removed. Fix the cause (space, permissions, the"
+                " store) and resume from the last complete checkpoint."
+            ) from error
+        if save.commit_failure is not None:
+            self._removals.clear()
+            raise AsyncSaveError(
+                f"The asynchronous save of {save.target!r} failed when rank 0 completed it ({save.commit_failure}); its"
+                " path holds the previous checkpoint, and no older checkpoint was removed."
+            ) from save.commit_error
+        removals, self._removals = self._removals, []
+        for remove in removals:
+            remove()
+
+    def abandon(self, timeout: float) -> None:
+        """After a failure (no collective may run): waits up to ``timeout`` seconds for the pending write and drops
+        it uncommitted. Its staging directory or temporary file stays hidden; the next save of its path removes it."""
+        save, self._pending = self._pending, None
+        self._removals.clear()
+        if save is not None and save.thread is not None:
+            save.thread.join(timeout)
+            if save.thread.is_alive():
+                log.warning("The background write of %r is still running; it is left uncommitted.", save.target)
+
+    def end_of_training(self) -> None:
+        """``on_train_end``: commits the pending save; later saves of the run are synchronous.
+
+        Raises:
+            AsyncSaveError: As :meth:`finish`.
+        """
+        self._open = False
+        self.finish()
+
+    def close(self, failed: bool, timeout: float) -> None:
+        """At ``teardown``: commits the pending save (or, after a failure, abandons it) and drops the background group.
+
+        Raises:
+            AsyncSaveError: As :meth:`finish`.
+        """
+        self._open = False
+        try:
+            if failed:
+                self.abandon(timeout)
+            else:
+                self.finish()
+        finally:
+            group, self._group = self._group, None
+            if group is not None and not failed and _distributed_is_initialized():
+                torch.distributed.destroy_process_group(group)
