@@ -21,7 +21,7 @@ UPSTREAM_PEER = "fsdp2"
 MODEL_PARALLEL = "model_parallel"
 #: The same, saving one full checkpoint file (``save_distributed_checkpoint=False``).
 MODEL_PARALLEL_FULL = "model_parallel_full"
-#: Upstream's ``FSDPStrategy`` (torch FSDP1) with the test suite's CPU fixes (``tests.upstream_runs``),
+#: Upstream's ``FSDPStrategy`` (torch FSDP1) with the test suite's CPU fixes (``tests.support.upstream_runs``),
 #: saving one full checkpoint file (``state_dict_type="full"``, its default).
 UPSTREAM_FSDP = "fsdp"
 #: The same with ``state_dict_type="sharded"``: a ``torch.distributed.checkpoint`` directory.

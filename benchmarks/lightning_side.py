@@ -42,13 +42,13 @@ def strategy_for(name: str, module: BenchModule) -> str | Strategy:
 
 
 def fsdp_strategy_on_cpu(state_dict_type: Literal["full", "sharded"]) -> Strategy:
-    """Upstream's ``FSDPStrategy`` with the fixes it needs on the CPU (``tests/upstream_runs.py``: past the accelerator
-    check, full saves without ``offload_to_cpu``), as the interoperability tests run it.
+    """Upstream's ``FSDPStrategy`` with the fixes it needs on the CPU (``tests/support/upstream_runs.py``: past the
+    accelerator check, full saves without ``offload_to_cpu``), as the interoperability tests run it.
 
-    Imported here: ``tests.upstream_runs`` brings the test helpers (and ``transformers``) along, which runs without
-    upstream's ``FSDPStrategy`` do not need.
+    Imported here: ``tests.support.upstream_runs`` brings the test helpers (and ``transformers``) along, which runs
+    without upstream's ``FSDPStrategy`` do not need.
     """
-    from tests.upstream_runs import FSDPStrategyOnCPU
+    from tests.support.upstream_runs import FSDPStrategyOnCPU
 
     strategy: Strategy = FSDPStrategyOnCPU(state_dict_type=state_dict_type)
     return strategy

@@ -170,8 +170,8 @@ def wrap_like_fsdp2_with_fsdp1(module: BenchModule) -> None:
     """FSDP1 units where ``FSDP2Strategy`` puts ``fully_shard``, as a user of upstream's ``FSDPStrategy`` on the CPU
     wraps them in ``configure_model``: each block of ``module.block_classes()`` (children first), then each child of
     the LightningModule that holds parameters (the whole model: the MLP's ``layers``, the GPT-2's ``model``), all with
-    ``device_id=torch.device("cpu")`` and ``use_orig_params=True`` (see ``tests/upstream_runs.py``: upstream passes
-    the device index, ``None`` on the CPU, which FSDP1 refuses) and FSDP1's defaults otherwise.
+    ``device_id=torch.device("cpu")`` and ``use_orig_params=True`` (see ``tests/support/upstream_runs.py``: upstream
+    passes the device index, ``None`` on the CPU, which FSDP1 refuses) and FSDP1's defaults otherwise.
 
     Does nothing to a module that is already wrapped (a second fit of the same module).
     """

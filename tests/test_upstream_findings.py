@@ -1,6 +1,6 @@
 """Each upstream finding of docs/upstream-findings.md still reproduces: upstream breaks the point, ours keeps it.
 
-When one of these fails because upstream fixed it, regenerate the page (``python -m tests.upstream_findings --out
+When one of these fails because upstream fixed it, regenerate the page (``python -m scripts.upstream_findings --out
 docs/upstream-findings.md``) and drop the finding.
 """
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.upstream_findings import FINDINGS, Finding, kit_table, run_kit, run_upstream_matrix
+from scripts.upstream_findings import FINDINGS, Finding, kit_table, run_kit, run_upstream_matrix
 
 PAGE = Path(__file__).parents[1] / "docs" / "upstream-findings.md"
 

@@ -140,7 +140,8 @@ class OptimizerNeed(enum.Enum):
     SPARSE_GRADIENTS = "sparse_gradients"
 
 
-#: The fix for each need: where it is met (tests/test_every_optimizer.py runs each there against ddp), or what else.
+#: The fix for each need: where it is met (tests/strategies/test_every_optimizer.py runs each there against ddp), or
+#: what else.
 FIXES: dict[OptimizerNeed, str] = {
     OptimizerNeed.WHOLE_PARAMETERS: (
         "Use ddp_sharded (OSS steps whole parameters) or ddp for this optimizer, or an element-wise optimizer (Adam,"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.flavour import ours, testing
-from tests.naive_strategies import NaiveShardedStrategy
+from tests.support.flavour import ours, testing
+from tests.support.naive_strategies import NaiveShardedStrategy
 
 ShardedDDPStrategy = ours.ShardedDDPStrategy
 ConformanceError, assert_strategy_conforms, check_strategy = (

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.flavour import PACKAGE, testing
 from tests.scripts.cross_package import resume, save
+from tests.support.flavour import PACKAGE, testing
 
 OTHER_PYTHON = os.environ.get("LIGHTNING_STRATEGIES_OTHER_PYTHON", "")
 ROOT = Path(__file__).parents[2]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lightning_strategies.checkpoint
-from tests.flavour import PACKAGE, ours, pl, testing
+from tests.support.flavour import PACKAGE, ours, pl, testing
 
 ROOT = Path(__file__).parents[2]
 

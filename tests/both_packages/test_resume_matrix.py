@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import MATRIX_PROPERTY
-from tests.flavour import matrix as matrix_module
-from tests.naive_strategies import NaiveShardedStrategy
+from tests.support.flavour import matrix as matrix_module
+from tests.support.naive_strategies import NaiveShardedStrategy
 
 MatrixStrategy, default_strategies, run_matrix = (
     matrix_module.MatrixStrategy,

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_strategies.testing.models import FEATURES, HIDDEN, OUTPUTS, make_dataset
-from tests.flavour import pl
+from tests.support.flavour import pl
 
 Container = Literal["sequential", "moduledict", "modulelist", "nested"]
 Call = Literal["forward", "model_attr", "submodules"]

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from tests.conftest import free_loopback_port, write_json
-from tests.flavour import ours, pl
 from tests.fuzz.recipes import EPOCHS, OURS, REFERENCE, SHARDED_FORMATS, Recipe, build_module
+from tests.support.flavour import ours, pl
 
 #: fp32 runs must end this close to ``ddp`` (the order of a sum of two ranks' gradients is all that differs).
 FP32_TOLERANCE = 1e-5

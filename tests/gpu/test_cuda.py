@@ -51,7 +51,7 @@ def test_fp16_mixed_on_one_gpu_trains_like_ddp(name: str) -> None:
     # On CUDA, precision="16-mixed" is Lightning's MixedPrecision with a CUDA GradScaler; the fairscale strategies
     # swap it for one whose skip-or-step decision is all-reduced over NCCL.
     from lightning_strategies.testing.state import max_state_difference
-    from tests.helpers import fit, new_model
+    from tests.support.helpers import fit, new_model
 
     gpu = {"accelerator": "gpu", "devices": 1, "precision": "16-mixed"}
     expected = new_model("adam")
@@ -64,8 +64,8 @@ def test_fp16_mixed_on_one_gpu_trains_like_ddp(name: str) -> None:
 
 @pytest.mark.parametrize("name", list(_fp16_strategies()))
 def test_fp16_mixed_on_one_gpu_skips_an_overflowing_step_and_halves_the_scale(tmp_path: Path, name: str) -> None:
-    from tests.helpers import fit, new_model
-    from tests.test_mixed_precision import OverflowOnOneRank, ScaleRecorder
+    from tests.strategies.test_mixed_precision import OverflowOnOneRank, ScaleRecorder
+    from tests.support.helpers import fit, new_model
 
     (tmp_path / "steps").mkdir()
     (tmp_path / "scales").mkdir()

@@ -16,7 +16,7 @@ import torch
 
 from lightning_strategies import FSDP2Strategy
 from tests.gpu.conftest import BACKEND, ONE_DEVICE, REHEARSAL, needs_cuda, needs_fp16_autocast
-from tests.helpers import assert_resume_continues_the_run, assert_resume_restores_exactly, fit, new_model
+from tests.support.helpers import assert_resume_continues_the_run, assert_resume_restores_exactly, fit, new_model
 
 pytestmark = needs_cuda
 

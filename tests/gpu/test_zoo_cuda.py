@@ -14,7 +14,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from tests.gpu.conftest import ONE_DEVICE, needs_cuda
-from tests.helpers import LossRecorder, assert_same_weights, fit
+from tests.support.helpers import LossRecorder, assert_same_weights, fit
 
 pytest.importorskip("transformers")
 zoo = pytest.importorskip("tests.zoo.models", reason="the model zoo (tests/zoo) is not in this checkout")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tests.flavour import PACKAGE, pl, testing
+from tests.support.flavour import PACKAGE, pl, testing
 
 
 def _trainer(strategy: str, callbacks: list[object]) -> object:

@@ -1,0 +1,302 @@
+"""Asynchronous saves (``async_save=True``) under every strategy, full files and sharded directories: they resume
+exactly like synchronous saves, ``ModelCheckpoint`` removes an old checkpoint only once the new one is complete, a
+failed background write is raised on every rank, a SIGKILL during a save leaves the previous checkpoint resumable,
+and the end of a run waits for the pending save and commits it."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch.distributed as dist
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy, ShardedDDPStrategy
+from lightning_strategies.checkpoint.sharded import open_sharded, sharded_directory
+from lightning_strategies.strategies import async_saves
+from lightning_strategies.strategies.async_saves import AsyncSaveError
+from lightning_strategies.strategies.atomic_io import AtomicTorchCheckpointIO
+from lightning_strategies.strategies.base import DirectReferenceStrategy
+from lightning_strategies.testing import SaveAfterRestore
+from tests.conftest import free_loopback_port, write_json
+from tests.support.helpers import assert_same_checkpoint_state, canonical_checkpoint, fit, new_model
+
+CLASSES: dict[str, type[DirectReferenceStrategy]] = {
+    "ddp_sharded": ShardedDDPStrategy,
+    "fsdp_fairscale": FairScaleFSDPStrategy,
+    "fsdp2": FSDP2Strategy,
+}
+# (strategy, state_dict_type): ddp_sharded writes full files only.
+FORMATS = [
+    ("ddp_sharded", "full"),
+    ("fsdp_fairscale", "full"),
+    ("fsdp_fairscale", "sharded"),
+    ("fsdp2", "full"),
+    ("fsdp2", "sharded"),
+]
+TINY = {"limit_train_batches": 2, "limit_val_batches": 0}  # two steps an epoch, no validation: fits stay short
+
+
+def strategy(
+    name: str,
+    state_dict_type: str,
+    *,
+    async_save: bool = True,
+    cls: type[DirectReferenceStrategy] | None = None,
+    **kwargs: Any,
+) -> Any:
+    options = {} if name == "ddp_sharded" else {"state_dict_type": state_dict_type}
+    return (cls or CLASSES[name])(start_method="fork", async_save=async_save, **options, **kwargs)
+
+
+def leftovers(directory: Path) -> list[str]:
+    """Staging directories and temporary files of saves that did not finish (or were never swapped in)."""
+    return sorted(path.name for path in directory.iterdir() if path.name.startswith("."))
+
+
+def assert_complete(path: Path) -> None:
+    """``path`` is a whole checkpoint: a full file that loads, or a sharded directory whose every shard is there."""
+    directory = sharded_directory(path)
+    if directory is not None:
+        open_sharded(directory)  # refuses a directory without meta.pt ("its save did not finish")
+    checkpoint = canonical_checkpoint(path)
+    assert checkpoint["state_dict"] and checkpoint["optimizer_states"]
+
+
+def slow_writes(seconds: float) -> Callable[[Callable[[], None]], None]:
+    """A background writer that waits ``seconds`` before writing: saves stay pending while training goes on."""
+
+    def write(files: Callable[[], None]) -> None:
+        time.sleep(seconds)
+        files()
+
+    return write
+
+
+@pytest.mark.parametrize(("name", "state_dict_type"), FORMATS)
+def test_async_saves_resume_exactly_like_synchronous_saves(tmp_path: Path, name: str, state_dict_type: str) -> None:
+    saved = {}
+    for kind, async_save in (("sync", False), ("async", True)):
+        directory = tmp_path / kind
+        checkpoints = ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)
+        fit(
+            strategy(name, state_dict_type, async_save=async_save),
+            new_model(),
+            callbacks=[checkpoints],
+            enable_checkpointing=True,
+            **TINY,
+        )
+        saved[kind] = directory / "epoch=1.ckpt"
+        assert sorted(path.name for path in directory.iterdir()) == ["epoch=0.ckpt", "epoch=1.ckpt"]
+    # The same state as the synchronous save, in the same format.
+    assert_same_checkpoint_state(saved["sync"], saved["async"])
+    assert (sharded_directory(saved["async"]) is not None) == (state_dict_type == "sharded")
+    restored = tmp_path / "restored.ckpt"
+    fit(
+        strategy(name, state_dict_type),
+        new_model(seed=11),
+        ckpt_path=saved["async"],
+        callbacks=[SaveAfterRestore(restored)],
+        max_epochs=3,
+        **TINY,
+    )
+    assert_same_checkpoint_state(saved["async"], restored)
+
+
+class RemovalRecorder(AtomicTorchCheckpointIO):
+    """Records, for each checkpoint removed, the other checkpoints in its directory and whether each was complete."""
+
+    def __init__(self, log: Path) -> None:
+        super().__init__()
+        self.log = log
+
+    def remove_checkpoint(self, path: Any) -> None:
+        others = {}
+        for other in Path(path).parent.iterdir():
+            if other.name.startswith(".") or other == Path(path):
+                continue
+            try:
+                assert_complete(other)
+                others[other.name] = True
+            except Exception:
+                others[other.name] = False
+        with self.log.open("a") as log:
+            log.write(json.dumps({"removed": Path(path).name, "others": others}) + "\n")
+        super().remove_checkpoint(path)
+
+
+@pytest.mark.parametrize(("name", "state_dict_type"), FORMATS)
+def test_model_checkpoint_removes_an_old_checkpoint_only_once_the_new_one_is_complete(
+    tmp_path: Path, name: str, state_dict_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(async_saves, "write_in_background", slow_writes(0.3))  # still pending at the removal
+    directory, log = tmp_path / "checkpoints", tmp_path / "removed.log"
+    fit(
+        strategy(name, state_dict_type, checkpoint_io=RemovalRecorder(log)),
+        new_model(),
+        callbacks=[ModelCheckpoint(dirpath=directory, save_last=True, save_top_k=1)],
+        enable_checkpointing=True,
+        max_epochs=3,
+        **TINY,
+    )
+
+    assert sorted(path.name for path in directory.iterdir()) == ["epoch=2-step=6.ckpt", "last.ckpt"]
+    for path in directory.iterdir():
+        assert_complete(path)
+    removals = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [entry["removed"] for entry in removals] == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
+    for entry in removals:  # when each old one went, its successor was there, complete
+        assert all(entry["others"].values()) and len(entry["others"]) == 2, entry
+    assert not leftovers(directory)
+
+
+def failing_on(rank: int, *, after_writing: bool) -> Callable[[Callable[[], None]], None]:
+    """A background writer that fails on ``rank`` (the others' writes succeed): before writing, or after writing its
+    files (a DCP write's collectives need every rank; a real failure inside one is reported to every rank by DCP)."""
+
+    def write(files: Callable[[], None]) -> None:
+        failing = dist.get_rank() == rank
+        if not failing or after_writing:
+            files()
+        if failing:
+            raise OSError(f"the store refused the write of rank {rank}")
+
+    return write
+
+
+def recording_errors(cls: type[DirectReferenceStrategy], directory: Path) -> type[DirectReferenceStrategy]:
+    """``cls`` that writes what each rank's ``save_checkpoint`` raised to ``<dir>/error-rank<r>.json`` (a fork
+    worker's exception ends it without Lightning's ``on_exception`` hooks)."""
+
+    class Recording(cls):  # type: ignore[valid-type,misc]
+        def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                super().save_checkpoint(*args, **kwargs)
+            except Exception as error:
+                write_json(directory / f"error-rank{self.global_rank}.json", [type(error).__name__, str(error)])
+                raise
+
+    return Recording
+
+
+@pytest.mark.parametrize(("name", "state_dict_type"), FORMATS)
+def test_a_failed_background_write_is_raised_on_every_rank(
+    tmp_path: Path, name: str, state_dict_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = 0 if state_dict_type == "full" else 1  # rank 0 alone writes a full file; rank 1 fails alone
+    monkeypatch.setattr(async_saves, "write_in_background", failing_on(writer, after_writing=writer == 1))
+    directory = tmp_path / "checkpoints"
+    with pytest.raises(Exception, match="the store refused"):
+        fit(
+            strategy(name, state_dict_type, cls=recording_errors(CLASSES[name], tmp_path)),
+            new_model(),
+            callbacks=[ModelCheckpoint(dirpath=directory, save_last=True)],
+            enable_checkpointing=True,
+            max_epochs=1,
+            **TINY,
+        )
+
+    for rank in (0, 1):  # raised by the next save (last.ckpt), on every rank
+        kind, message = json.loads((tmp_path / f"error-rank{rank}.json").read_text())
+        assert kind == AsyncSaveError.__name__
+        assert f"failed on rank {writer} (OSError: the store refused" in message
+        assert "epoch=0-step=2.ckpt" in message and "previous checkpoint" in message
+    # Nothing of the failed save appeared, and its staging directory is gone.
+    assert not directory.exists() or not list(directory.iterdir())
+
+
+class SaveEveryStep(pl.Callback):
+    """Saves ``path`` after every step; rank 0 reports each step whose save is committed (at the next save)."""
+
+    def __init__(self, path: Path, committed: Any) -> None:
+        self.path, self.committed = path, committed
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        trainer.save_checkpoint(self.path)  # commits the previous step's save first
+        if trainer.is_global_zero and trainer.global_step > 1:
+            self.committed.put(trainer.global_step - 1)
+
+
+def _save_in_a_loop(name: str, state_dict_type: str, path: str, committed: Any, port: int) -> None:
+    os.setsid()  # one process group with the ranks it forks: the test kills them all at once
+    os.environ["MASTER_PORT"] = str(port)
+    async_saves.write_in_background = slow_writes(0.5)  # a kill lands inside a background write
+    callbacks = [SaveEveryStep(Path(path), committed)]
+    fit(strategy(name, state_dict_type), new_model(), callbacks=callbacks, max_epochs=100_000, **TINY)
+
+
+@pytest.mark.parametrize(("name", "state_dict_type"), FORMATS)
+def test_sigkill_during_an_async_save_leaves_the_previous_checkpoint_resumable(
+    tmp_path: Path, name: str, state_dict_type: str
+) -> None:
+    path = tmp_path / "last.ckpt"
+    context = multiprocessing.get_context("fork")
+    committed = context.Queue()
+    saver = context.Process(
+        target=_save_in_a_loop, args=(name, state_dict_type, str(path), committed, free_loopback_port())
+    )
+    saver.start()
+    try:
+        first = committed.get(timeout=120)  # one complete save exists from here on; the next one is pending
+        time.sleep(random.Random(name + state_dict_type).uniform(0.1, 0.55))  # inside the next background write
+    finally:
+        os.killpg(saver.pid or 0, signal.SIGKILL)
+        saver.join(timeout=30)
+
+    assert (sharded_directory(path) is not None) == (state_dict_type == "sharded")
+    step = canonical_checkpoint(path)["global_step"]  # raises on a torn or mixed checkpoint
+    assert step >= first
+    # It resumes (the synchronous flow cleans what the killed save left).
+    fit(strategy(name, state_dict_type, async_save=False), new_model(seed=11), ckpt_path=path, max_steps=step + 1)
+
+
+def committing_at_teardown(cls: type[DirectReferenceStrategy]) -> type[DirectReferenceStrategy]:
+    """``cls`` whose ``on_train_end`` leaves the pending save alone: only ``teardown`` can commit it."""
+
+    class Late(cls):  # type: ignore[valid-type,misc]
+        def on_train_end(self) -> None:
+            super(DirectReferenceStrategy, self).on_train_end()
+
+    return Late
+
+
+class ExistsAtTrainEnd(pl.Callback):
+    """Records on rank 0 whether ``path`` exists when training ends (before the strategy's teardown)."""
+
+    def __init__(self, path: Path, record: Path) -> None:
+        self.path, self.record = path, record
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.is_global_zero:
+            write_json(self.record, self.path.exists())
+
+
+@pytest.mark.parametrize(("name", "state_dict_type"), FORMATS)
+def test_teardown_waits_for_the_pending_save_and_commits_it(
+    tmp_path: Path, name: str, state_dict_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(async_saves, "write_in_background", slow_writes(0.5))  # pending when the run ends
+    directory, record = tmp_path / "checkpoints", tmp_path / "exists.json"
+    path = directory / "epoch=0.ckpt"
+    fit(
+        strategy(name, state_dict_type, cls=committing_at_teardown(CLASSES[name])),
+        new_model(),
+        callbacks=[ModelCheckpoint(dirpath=directory, filename="{epoch}"), ExistsAtTrainEnd(path, record)],
+        enable_checkpointing=True,
+        max_epochs=1,
+        **TINY,
+    )
+
+    assert json.loads(record.read_text()) is False  # still being written when training ended
+    assert_complete(path)  # teardown waited for it and committed it
+    assert canonical_checkpoint(path)["global_step"] == 2
+    assert not leftovers(directory)
