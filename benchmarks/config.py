@@ -28,6 +28,9 @@ UPSTREAM_FSDP = "fsdp"
 UPSTREAM_FSDP_SHARDED = "fsdp_sharded"
 #: ``FSDP2Strategy(state_dict_type="sharded")``: a sharded checkpoint directory.
 FSDP2_SHARDED = "fsdp2_sharded"
+#: ``fsdp2`` resuming its full file read whole, as before the file was mapped: through Lightning's own
+#: ``TorchCheckpointIO``, which takes no ``mmap`` (resume benchmark only; it saves nothing of its own).
+FSDP2_READ_WHOLE = "fsdp2_read_whole"
 #: The upstream strategies ``fsdp2`` is compared with (keyed by a benchmark name of each) and their label in figures.
 #: ``FSDPStrategy`` is compared on the model state only (memory, save, resume), not on step time.
 UPSTREAM_LABELS: dict[str, str] = {

@@ -7,13 +7,21 @@ from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch.distributed as dist
+from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.strategies import ModelParallelStrategy, Strategy
 from torch.optim import Optimizer
 
 from lightning_strategies import FSDP2Strategy  # importing the package registers ddp_sharded, fsdp_fairscale, fsdp2
 
 from .by_hand import Wrapped
-from .config import FSDP2_SHARDED, MODEL_PARALLEL, MODEL_PARALLEL_FULL, UPSTREAM_FSDP_SHARDED, is_upstream_fsdp
+from .config import (
+    FSDP2_READ_WHOLE,
+    FSDP2_SHARDED,
+    MODEL_PARALLEL,
+    MODEL_PARALLEL_FULL,
+    UPSTREAM_FSDP_SHARDED,
+    is_upstream_fsdp,
+)
 from .models import BenchModule
 
 
@@ -34,6 +42,9 @@ def strategy_for(name: str, module: BenchModule) -> str | Strategy:
         )
     if is_upstream_fsdp(name):
         return fsdp_strategy_on_cpu("sharded" if name == UPSTREAM_FSDP_SHARDED else "full")
+    if name == FSDP2_READ_WHOLE:
+        blocks = {"shard_module_classes": module.block_classes()} if module.block_classes() else {}
+        return FSDP2Strategy(checkpoint_io=TorchCheckpointIO(), **blocks)
     if name == FSDP2_SHARDED:
         return FSDP2Strategy(state_dict_type="sharded", shard_module_classes=module.block_classes())
     if name == "fsdp2" and module.block_classes():

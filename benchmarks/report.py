@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .config import (
+    FSDP2_READ_WHOLE,
     MODEL_PARALLEL,
     UPSTREAM_FSDP,
     UPSTREAM_LABELS,
@@ -291,16 +292,42 @@ def _save_pair(
     return rows
 
 
-def _resume_vs_upstream(per_rank: Sequence[dict[str, Any]], goals: list[Goal], model: str) -> dict[str, Any]:
+#: The goal of a resumed fit's time against upstream, per (model, upstream strategy, checkpoint kind); 1.0 elsewhere.
+#: Issue 30: with the full file mapped, the GPT-2's full resume is to take at most 0.9x ``FSDPStrategy``'s.
+RESUME_TIME_GOALS: dict[tuple[str, str, str], float] = {("gpt2", UPSTREAM_FSDP, "full"): 0.9}
+#: The goal of the peak RSS a rank adds while restoring a full file, against the bytes of state it keeps.
+RESUME_RSS_SHARE_GOAL = 1.0
+
+
+def _restore_rss_share(samples: Sequence[Sequence[dict[str, float]]]) -> dict[str, Any]:
+    """Per repeat, the largest ratio over the ranks of the peak RSS a restore added to the state the rank keeps."""
+    ratios = [
+        max(_ratio(sample["rss_added_bytes"], sample["share_bytes"]) for sample in ranks)
+        for ranks in zip(*samples, strict=True)
+    ]
+    added = _max_over_ranks([[sample["rss_added_bytes"] for sample in rank] for rank in samples])
+    shares = _max_over_ranks([[sample["share_bytes"] for sample in rank] for rank in samples])
+    return {"ratio": stats(ratios), "rss_added_bytes": stats(added), "share_bytes": stats(shares)}
+
+
+def _resume_vs_upstream(
+    per_rank: Sequence[dict[str, Any]],
+    goals: list[Goal],
+    model: str,
+    memory: Sequence[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Resumed fit of ``model`` to first step, ``fsdp2`` against each upstream strategy of :data:`UPSTREAM_PAIRS`,
-    per checkpoint kind. Keyed by upstream strategy, then checkpoint kind."""
+    per checkpoint kind, and (with ``memory``) the peak RSS each restore added per rank against its share. Keyed by
+    upstream strategy, then checkpoint kind."""
     summary: dict[str, Any] = {}
+    rss_goals: set[str] = set()
     for peer, pairs in UPSTREAM_PAIRS.items():
         summary[peer] = {}
         for kind, names in pairs.items():
             ours, upstream = (stats(_max_over_ranks([rank[name] for rank in per_rank])) for name in names)
             ratio = _ratio(ours["median"], upstream["median"])
-            summary[peer][kind] = {"strategies": list(names), "ours": ours, "upstream": upstream, "ratio": ratio}
+            row: dict[str, Any] = {"strategies": list(names), "ours": ours, "upstream": upstream, "ratio": ratio}
+            summary[peer][kind] = row
             goals.append(
                 Goal(
                     "resume",
@@ -308,7 +335,60 @@ def _resume_vs_upstream(per_rank: Sequence[dict[str, Any]], goals: list[Goal], m
                     f"{MODEL_PREFIXES[model]}{kind} checkpoint: resumed fit to first step, ours"
                     f" / {UPSTREAM_LABELS[peer]}",
                     ratio,
-                    1.0,
+                    RESUME_TIME_GOALS.get((model, peer, kind), 1.0),
+                )
+            )
+            if memory is None:
+                continue
+            row["ours_rss"], row["upstream_rss"] = (
+                _restore_rss_share([rank[name] for rank in memory]) for name in names
+            )
+            if "fresh_fsdp2" in memory[0]:  # the same window of a fit that restores nothing (resume.FRESH)
+                fresh = _max_over_ranks(
+                    [[sample["rss_added_bytes"] for sample in rank["fresh_fsdp2"]] for rank in memory]
+                )
+                row["fresh_rss_added_bytes"] = stats(fresh)
+            if kind != "full":
+                continue
+            for name, side, label in (
+                (names[0], "ours_rss", "ours"),
+                (names[1], "upstream_rss", UPSTREAM_LABELS[peer]),
+            ):
+                if name in rss_goals:
+                    continue
+                rss_goals.add(name)
+                goals.append(
+                    Goal(
+                        "resume",
+                        UPSTREAM_PEER,
+                        f"{MODEL_PREFIXES[model]}full checkpoint: peak RSS a rank adds restoring / its share, {label}",
+                        row[side]["ratio"]["max"],
+                        RESUME_RSS_SHARE_GOAL if side == "ours_rss" else None,
+                    )
+                )
+    if FSDP2_READ_WHOLE in per_rank[0]:  # fsdp2's full file read whole, as before it was mapped
+        full = summary[UPSTREAM_FSDP]["full"]
+        whole = stats(_max_over_ranks([rank[FSDP2_READ_WHOLE] for rank in per_rank]))
+        full["read_whole"] = whole
+        full["mapped_over_read_whole"] = _ratio(full["ours"]["median"], whole["median"])
+        goals.append(
+            Goal(
+                "resume",
+                UPSTREAM_PEER,
+                f"{MODEL_PREFIXES[model]}full checkpoint: resumed fit to first step, file mapped / read whole",
+                full["mapped_over_read_whole"],
+                None,
+            )
+        )
+        if memory is not None:
+            full["read_whole_rss"] = _restore_rss_share([rank[FSDP2_READ_WHOLE] for rank in memory])
+            goals.append(
+                Goal(
+                    "resume",
+                    UPSTREAM_PEER,
+                    f"{MODEL_PREFIXES[model]}full checkpoint: peak RSS a rank adds restoring / its share, read whole",
+                    full["read_whole_rss"]["ratio"]["max"],
+                    None,
                 )
             )
     return summary
@@ -328,7 +408,9 @@ def summarize_resume(ranks: Sequence[dict[str, Any]], config: Config, goals: lis
         goals.append(Goal("resume", strategy, "(resumed - fresh first-step latency) / hand load", rows["ratio"], 1.2))
         summary[strategy] = rows
     for model, key in _upstream_keys(per_rank[0]):
-        summary[UPSTREAM_PEER][key] = _resume_vs_upstream([rank[key] for rank in per_rank], goals, model)
+        memory_key = f"{key}_memory"  # resume.memory_results_key (runs before it had no memory samples)
+        memory = [rank[memory_key] for rank in per_rank] if memory_key in per_rank[0] else None
+        summary[UPSTREAM_PEER][key] = _resume_vs_upstream([rank[key] for rank in per_rank], goals, model, memory)
     return summary
 
 
@@ -560,14 +642,40 @@ def details_markdown(summary: dict[str, Any]) -> str:
         if upstream_resumes:
             lines = [
                 "| model | upstream | checkpoint | strategies (ours / upstream) | ours: resumed fit → first step ms"
-                " | upstream ms |",
-                "|---|---|---|---|---|---|",
+                " | upstream ms | restore's peak RSS added / share per rank (MB), ours | upstream |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
+
+            def restore_rss(row: dict[str, Any] | None) -> str:
+                if row is None:
+                    return "-"
+                added, share = row["rss_added_bytes"]["max"], row["share_bytes"]["max"]
+                return f"{row['ratio']['max']:.2f}x ({added / 1e6:.1f} / {share / 1e6:.1f})"
+
+            fresh_rows = [
+                (model, row["fresh_rss_added_bytes"])
+                for model, _, _, row in upstream_resumes
+                if "fresh_rss_added_bytes" in row
             ]
             for model, peer, kind, row in upstream_resumes:
                 names = " / ".join(f"`{name}`" for name in row["strategies"])
                 lines.append(
                     f"| {model} | {_peer_name(peer)} | {kind} | {names} | {span(row['ours'])} |"
-                    f" {span(row['upstream'])} |"
+                    f" {span(row['upstream'])} | {restore_rss(row.get('ours_rss'))} |"
+                    f" {restore_rss(row.get('upstream_rss'))} |"
+                )
+            for model, _, _, row in upstream_resumes:
+                if "read_whole" in row:
+                    rss_note = f", {restore_rss(row['read_whole_rss'])} RSS" if "read_whole_rss" in row else ""
+                    lines.append(
+                        f"\n{model}: `{FSDP2_READ_WHOLE}` (the same full file read whole, through Lightning's"
+                        f" `TorchCheckpointIO`) {span(row['read_whole'])} ms{rss_note}."
+                    )
+            fresh_note = ", ".join(f"{model} {added['max'] / 1e6:.1f} MB" for model, added in dict(fresh_rows).items())
+            if fresh_note:
+                lines.append(
+                    "\nThe same window of a fresh `fsdp2` fit (no restore, no optimizer state yet) adds up to"
+                    f" {fresh_note}."
                 )
             parts.append(f"**Resume against {_peers()}**\n\n" + "\n".join(lines))
     if "memory" in summary:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_strategies.checkpoint.io import release_pages
+
 
 def shard_size(numel: int, world_size: int) -> int:
     """Elements per rank for a flat tensor of ``numel`` elements padded to a multiple of ``world_size``."""
@@ -55,11 +57,12 @@ def local_shard(tensors: Sequence[Tensor], rank: int, world_size: int) -> Tensor
         low, high = max(start, offset), min(end, offset + tensor.numel())
         if low < high:
             chunk[low - start : high - start] = tensor.reshape(-1)[low - offset : high - offset]
+            release_pages(tensor)  # read from a mapped checkpoint: only the chunk stays resident
         offset += tensor.numel()
     return chunk
 
 
-def local_part_like(full: Tensor, like: Tensor) -> Tensor | None:
+def local_part_like(full: Tensor, like: Tensor, *, copy: bool = True) -> Tensor | None:
     """The inverse of a gather to rank 0 where every rank holds the full tensor (it read a full checkpoint): this
     rank's part of ``full``, as a DTensor placed like ``like``, cut out here without any communication.
 
@@ -69,6 +72,8 @@ def local_part_like(full: Tensor, like: Tensor) -> Tensor | None:
     Args:
         full: The whole tensor (same shape as ``like``), on any device.
         like: A DTensor whose mesh, placements and local shape the part takes.
+        copy: ``False`` returns a view of ``full`` instead of a copy where ``full`` is on ``like``'s device, for a
+            caller that copies it into storage of its own (no second copy of the part in memory).
 
     Returns:
         The part, or ``None`` where this cannot cut it the way ``like`` is sharded (a shape other than ``like``'s, or
@@ -97,11 +102,7 @@ def local_part_like(full: Tensor, like: Tensor) -> Tensor | None:
     local = like.to_local()
     if part.shape != local.shape:
         return None
-    return DTensor.from_local(
-        part.to(device=local.device, copy=True),
-        mesh,
-        like.placements,
-        shape=like.shape,
-        stride=like.stride(),
-        run_check=False,
-    )
+    if copy or part.device != local.device:
+        part = part.to(device=local.device, copy=True)
+        release_pages(full)  # read from a mapped checkpoint: only the copy stays resident
+    return DTensor.from_local(part, mesh, like.placements, shape=like.shape, stride=like.stride(), run_check=False)

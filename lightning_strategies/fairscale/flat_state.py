@@ -13,12 +13,14 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
+from lightning_strategies.checkpoint import canonical_keys
 from lightning_strategies.checkpoint.flat import local_shard, split_full
-from lightning_strategies.fairscale._private import forget_unflattened_views, param_infos, shared_param_infos
+from lightning_strategies.fairscale._private import forget_unflattened_views, lazy_init, param_infos, shared_param_infos
 from lightning_strategies.fairscale.layout import (
     FlatUnit,
     OptimizerLayout,
     canonical_name,
+    fsdp_instances,
     join_name,
     persistent_buffers,
 )
@@ -42,6 +44,39 @@ def expected_model_state(root: Module, units: Sequence[FlatUnit], aliases: Mappi
     for alias, holder in aliases.items():  # a plain module's state_dict names a tied parameter each time
         expected[alias] = expected[holder]
     return expected
+
+
+def local_model_state(
+    root: FullyShardedDataParallel, units: Sequence[FlatUnit], state: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """This rank's ``local_state_dict()`` (canonical keys) cut from full canonical ``state``: each flat shard built
+    from the part of its parameters this rank keeps (only that part of a mapped file is read), buffers as they are.
+
+    fairscale's own ``load_state_dict`` gathers every full parameter on every rank and copies each whole tensor of the
+    checkpoint into it. ``None`` (that path is taken) where the local state holds anything else: a module's extra
+    state, a parameter the state lacks (non-strict loading), a shard of another size or dtype.
+    """
+    for _, instance in fsdp_instances(root):
+        lazy_init(instance)  # local_state_dict and load_local_state_dict need every instance initialised
+    current = canonical_keys(root.local_state_dict())
+    key_of = {id(param): canonical_name(name) for name, param in root.named_parameters()}
+    local: dict[str, tuple[FlatUnit, Tensor]] = {}
+    for unit in units:
+        key = key_of.get(id(unit.param), "")
+        held = current.get(key)
+        if not isinstance(held, Tensor) or any(name not in state for name in unit.names):
+            return None
+        if held.numel() != -(-unit.numel // unit.instance.world_size) or held.dtype != unit.param.dtype:
+            return None
+        local[key] = (unit, held)
+    buffers = dict(persistent_buffers(root))
+    if set(current) != set(local) | set(buffers) or any(key not in state for key in buffers):
+        return None
+    cut: dict[str, Any] = {key: state[key] for key in buffers}
+    for key, (unit, held) in local.items():
+        chunk = local_shard([state[name] for name in unit.names], unit.instance.rank, unit.instance.world_size)
+        cut[key] = chunk.to(dtype=held.dtype).view(held.shape)
+    return cut
 
 
 def gather_model_state(

@@ -47,6 +47,7 @@ from .flat_state import (
     gather_model_state,
     gather_optimizer_state,
     load_optimizer_state,
+    local_model_state,
     unshard_into_module,
 )
 from .gradients import GradientlessCheck, clip_by_total_norm, gradients_kept_as_ddp, gradients_set_aside
@@ -407,8 +408,13 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
     def _load_canonical_model_state(self, state: Mapping[str, Any], strict: bool) -> None:
         root = self._root()
         check_model_state(self._expected_model_state(), state, strict=strict, source=self._checkpoint_source)
+        # Each rank cuts its flat shards from the state (only its part of a mapped file is read).
+        local = local_model_state(root, self._units, state)
         with self._guarding_views():  # the keys the root's state_dict uses (a compiled submodule's `_orig_mod`)
-            root.load_state_dict(to_module_keys(state, root, FAIRSCALE_SEGMENTS), strict=strict)
+            if local is not None:
+                root.load_local_state_dict(to_module_keys(local, root, FAIRSCALE_SEGMENTS), strict=True)
+            else:
+                root.load_state_dict(to_module_keys(state, root, FAIRSCALE_SEGMENTS), strict=strict)
 
     # ------------------------------------------------------------------ optimizer state
 

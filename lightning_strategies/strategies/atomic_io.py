@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import errno
+import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from typing_extensions import override
 
 from lightning_strategies.checkpoint.atomic import atomic_torch_save
+from lightning_strategies.checkpoint.io import can_map, load_mapped, read_checkpoint
 from lightning_strategies.checkpoint.sharded import is_sharded_checkpoint
 
 from .._lightning import _PATH, AsyncCheckpointIO, CheckpointIO, TorchCheckpointIO, _WrappingCheckpointIO
@@ -42,9 +45,21 @@ class AtomicTorchCheckpointIO(TorchCheckpointIO):
 
     @override
     def load_checkpoint(
-        self, path: _PATH, map_location: Any | None = lambda storage, loc: storage, weights_only: bool | None = None
+        self,
+        path: _PATH,
+        map_location: Any | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+        *,
+        mmap: bool = False,
     ) -> dict[str, Any]:
         """Loads with ``weights_only=True`` always: Lightning passes ``None`` (remote paths then unpickle anything).
+
+        Args:
+            path: The checkpoint file.
+            map_location: As ``torch.load``'s.
+            weights_only: ``None`` or ``True``.
+            mmap: Map a local file in torch's zip format (``torch.load(mmap=True)``): its tensors are read from the
+                file when used. A legacy (non-zip) or remote file is read whole.
 
         Raises:
             ValueError: ``weights_only=False`` was asked for; nothing in this package loads that way.
@@ -54,8 +69,54 @@ class AtomicTorchCheckpointIO(TorchCheckpointIO):
                 f"Refusing to load {str(path)!r} with weights_only=False: unpickling arbitrary objects can run code."
                 " Checkpoints of this package hold only tensors and plain values; load others with torch.load yourself."
             )
+        if mmap and can_map(path):
+            mapped: dict[str, Any] = load_mapped(path, map_location=map_location)
+            return mapped
         loaded: dict[str, Any] = super().load_checkpoint(path, map_location=map_location, weights_only=True)
         return loaded
+
+
+def _loading_io(io: CheckpointIO) -> CheckpointIO:
+    """The plugin that really loads for ``io``: wrappers that only hand ``load_checkpoint`` on (Lightning's
+    ``AsyncCheckpointIO`` writes in the background and loads through the plugin it wraps) are looked through."""
+    while (
+        isinstance(io, _WrappingCheckpointIO)
+        and type(io).load_checkpoint is _WrappingCheckpointIO.load_checkpoint
+        and io.checkpoint_io is not None
+    ):
+        io = io.checkpoint_io
+    return io
+
+
+def maps_files(io: CheckpointIO) -> bool:
+    """Whether ``io`` loads a file mapped when asked: its ``load_checkpoint`` takes an ``mmap`` keyword, as
+    :class:`AtomicTorchCheckpointIO`'s does (a subclass that overrides it without one, or any other plugin, is called as
+    Lightning calls it)."""
+    try:
+        parameters = inspect.signature(io.load_checkpoint).parameters
+    except (TypeError, ValueError):
+        return False
+    mmap = parameters.get("mmap")
+    return mmap is not None and mmap.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def read_full_checkpoint(path: _PATH, io: CheckpointIO) -> dict[str, Any]:
+    """Reads a full checkpoint file for a restore through the strategy's checkpoint IO, with ``weights_only=True``.
+
+    Mapped where the plugin that loads supports it (the default :class:`AtomicTorchCheckpointIO`, also under
+    ``AsyncCheckpointIO``) and the file is a local one in torch's zip format: each rank then reads from the file only
+    the parts of the tensors it keeps, instead of the whole file (see :func:`~lightning_strategies.checkpoint.io.
+    read_checkpoint` for what stays mapped). Any other plugin, a remote path or a legacy file is read whole.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CheckpointFormatError: See :func:`~lightning_strategies.checkpoint.io.read_checkpoint`.
+    """
+    loader = _loading_io(io)
+    if maps_files(loader) and can_map(path):
+        load: Callable[..., dict[str, Any]] = loader.load_checkpoint  # its signature takes `mmap` (checked above)
+        return read_checkpoint(path, load=lambda: load(path, weights_only=True, mmap=True), mmap=True)
+    return read_checkpoint(path, load=lambda: io.load_checkpoint(path, weights_only=True))
 
 
 def synchronous_checkpoint_io(io: CheckpointIO) -> CheckpointIO:

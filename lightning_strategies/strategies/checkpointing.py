@@ -30,13 +30,13 @@ from lightning_strategies.checkpoint import (
     check_optimizer_states,
     load_model_state,
     param_group_shapes,
-    read_checkpoint,
     require_full_checkpoint,
     to_cpu_state,
 )
 from lightning_strategies.checkpoint.atomic import raise_if_disk_full, replace_directory
 from lightning_strategies.checkpoint.consolidation import consolidate
 from lightning_strategies.checkpoint.errors import CheckpointFormatError
+from lightning_strategies.checkpoint.io import copy_out_of_mapping, reading_from
 from lightning_strategies.checkpoint.optimizer_state import numbered_through_groups
 from lightning_strategies.checkpoint.sharded import (
     ShardedCheckpoint,
@@ -60,7 +60,7 @@ from .._lightning import (
     trainer_of,
 )
 from .agreement import agree_on_sharded_save, refuse_unless_every_rank_fits, require_same_save_path
-from .atomic_io import finish_background_writes, synchronous_checkpoint_io
+from .atomic_io import finish_background_writes, read_full_checkpoint, synchronous_checkpoint_io
 from .launcher import CanonicalStateLauncher
 from .sharded_format import ShardedFormat
 
@@ -289,9 +289,7 @@ class CheckpointFlow(ParallelStrategy):
             return opened
         # Checkpoints never run code when loaded: weights_only is always True.
         self._checkpoint_source = f"Checkpoint {str(checkpoint_path)!r}"
-        checkpoint = read_checkpoint(
-            checkpoint_path, load=lambda: self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=True)
-        )
+        checkpoint = read_full_checkpoint(checkpoint_path, self.checkpoint_io)  # mapped: each rank reads its part
         require_full_checkpoint(checkpoint, source=self._checkpoint_source)
         states = checkpoint.get("optimizer_states")
         if isinstance(states, list):  # upstream's full files number parameters in the module's order
@@ -314,7 +312,8 @@ class CheckpointFlow(ParallelStrategy):
             if self._sharded_reader is not None:
                 self._load_sharded_model_state(self._sharded_reader, checkpoint, strict)
             else:
-                self._load_full_model_state(checkpoint, strict)
+                with reading_from(checkpoint):  # a mapped file: each rank keeps its copies, not the file's pages
+                    self._load_full_model_state(checkpoint, strict)
 
     def _load_sharded_model_state(self, reader: ShardedFormat, checkpoint: Mapping[str, Any], strict: bool) -> None:
         # Every rank checks its part (and the optimizer states it will restore); the ranks agree before any weight
@@ -383,7 +382,8 @@ class CheckpointFlow(ParallelStrategy):
         with torch.inference_mode(False):
             reader, self._sharded_reader = self._sharded_reader, None  # the restore ends here
             if reader is None:
-                self._load_full_optimizer_states(checkpoint)
+                with reading_from(checkpoint):
+                    self._load_full_optimizer_states(checkpoint)
             elif reader.holds_optimizer_states(checkpoint):  # else the optimizers start fresh (warned about)
                 reader.load_optimizers(checkpoint)
 
@@ -395,6 +395,7 @@ class CheckpointFlow(ParallelStrategy):
         for optimizer, state in zip(self._raw_optimizers(), states, strict=True):
             self._load_canonical_optimizer_state(optimizer, state)
             _optimizer_to_device(optimizer, self.root_device)
+        copy_out_of_mapping(self._raw_optimizers(), checkpoint)  # nothing kept may view the file's mapping
 
     def _load_canonical_optimizer_state(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
         """Hook: puts one canonical optimizer state into the (possibly sharded) optimizer."""

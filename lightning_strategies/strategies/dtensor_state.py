@@ -13,17 +13,19 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
 from lightning_strategies.checkpoint.flat import local_part_like
+from lightning_strategies.checkpoint.io import release_pages
 
 
-def local_parts(full: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any] | None:
+def local_parts(full: Mapping[str, Any], current: Mapping[str, Any], *, copy: bool = True) -> dict[str, Any] | None:
     """``full``'s values with each tensor whose counterpart in ``current`` is a DTensor cut to this rank's part
-    (:func:`local_part_like`); 0-dim tensors (an optimizer's step) and values without a DTensor counterpart stay as
-    they are. ``None`` if a tensor cannot be cut locally."""
+    (:func:`local_part_like`; with ``copy=False`` views of ``full``'s tensors, for :func:`load_into_module` to copy
+    straight into the module's shards); 0-dim tensors (an optimizer's step) and values without a DTensor counterpart
+    stay as they are. ``None`` if a tensor cannot be cut locally."""
     parts: dict[str, Any] = {}
     for key, value in full.items():
         like = current.get(key)
         if isinstance(value, Tensor) and value.ndim > 0 and isinstance(like, DTensor):
-            part = local_part_like(value, like)
+            part = local_part_like(value, like, copy=copy)
             if part is None:
                 return None
             parts[key] = part
@@ -57,6 +59,7 @@ def load_into_module(module: Module, state: Mapping[str, Any], current: Mapping[
             if local.data_ptr() in own_storage and _to_local(value).shape == local.shape:
                 if value is not target:
                     local.copy_(_to_local(value))
+                    release_pages(_to_local(value))  # a view of a mapped checkpoint: its pages are done with
                 continue
         rest[key] = value
     if rest:

@@ -371,7 +371,7 @@ class FSDP2Strategy(DirectReferenceStrategy):
         check_model_state(self._expected_model_state(), state, strict=strict, source=self._checkpoint_source)
         module = self.require_lightning_module()
         current = get_model_state_dict(module)
-        local = local_parts(state, current)
+        local = local_parts(state, current, copy=False)  # views: each part is copied once, into its shard
         if local is None:  # a layout local_part_like does not cut: torch's full loader (it scatters from rank 0)
             set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
             return
