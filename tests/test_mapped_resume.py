@@ -17,7 +17,13 @@ from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
 from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy, ShardedDDPStrategy
 from lightning_strategies.checkpoint import CheckpointFormatError
-from lightning_strategies.checkpoint.io import MappedCheckpoint, copy_out_of_mapping, read_checkpoint
+from lightning_strategies.checkpoint.io import (
+    MappedCheckpoint,
+    copy_out_of_mapping,
+    read_checkpoint,
+    reading_from,
+    release_pages,
+)
 from lightning_strategies.strategies.atomic_io import AtomicTorchCheckpointIO, read_full_checkpoint
 from lightning_strategies.testing import SaveAfterRestore
 from tests.conftest import write_json
@@ -229,3 +235,22 @@ def test_optimizer_state_loaded_from_a_mapping_is_copied_out_of_it(tmp_path: Pat
     for index, entries in expected["optimizer_states"][0]["state"].items():
         for key, value in entries.items():
             assert torch.equal(optimizer.state_dict()["state"][index][key], value)
+
+
+def test_pages_are_dropped_only_from_a_file_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "full.ckpt"
+    torch.save({"state_dict": {"weight": torch.randn(1 << 20)}}, path)  # 4 MiB: whole pages to drop
+    mapped = read_checkpoint(path, mmap=True)
+    # A loader that is asked to map but reads into memory: its tensors are ordinary memory, never dropped.
+    in_memory = read_checkpoint(path, load=lambda: torch.load(path, weights_only=True), mmap=True)
+
+    assert isinstance(mapped, MappedCheckpoint) and mapped.file_backed
+    assert isinstance(in_memory, MappedCheckpoint) and not in_memory.file_backed
+    weight = in_memory["state_dict"]["weight"]
+    expected = weight.clone()
+    with reading_from(in_memory):
+        release_pages(weight)
+    assert torch.equal(weight, expected)
+    with reading_from(mapped):  # dropped pages of the file are read again from it
+        release_pages(mapped["state_dict"]["weight"])
+    assert torch.equal(mapped["state_dict"]["weight"], expected)

@@ -68,10 +68,29 @@ class MappedCheckpoint(dict[str, Any]):
 
     Attributes:
         span: The addresses ``[start, end)`` the mapped tensors' storages occupy (``None`` when they hold none).
+        file_backed: Whether ``span`` was checked to lie in one mapping of a file (``/proc/self/maps``): only then are
+            pages dropped from it (:func:`release_pages`); dropping pages of ordinary memory would lose their data.
     """
 
     span: tuple[int, int] | None = None
+    file_backed: bool = False
     _anchor: Any = None
+
+
+def _in_one_file_mapping(span: tuple[int, int]) -> bool:
+    """Whether ``span`` lies inside one mapping of a file of this process (Linux ``/proc/self/maps``)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6 or fields[4] == "0":  # anonymous memory has inode 0 and no path
+            continue
+        start, end = (int(bound, 16) for bound in fields[0].split("-"))
+        if start <= span[0] and span[1] <= end:
+            return True
+    return False
 
 
 def can_map(path: str | Path) -> bool:
@@ -156,6 +175,7 @@ def mapped_checkpoint(checkpoint: dict[str, Any]) -> MappedCheckpoint:
     if storages:
         mapped.span = (min(s.data_ptr() for s in storages), max(s.data_ptr() + s.nbytes() for s in storages))
         mapped._anchor = storages[0]  # every storage is a slice of one mapping, which each keeps alive
+        mapped.file_backed = _in_one_file_mapping(mapped.span)
     copies: dict[int, Tensor] = {}
     for key, value in checkpoint.items():
         mapped[key] = value if key in MAPPED_ENTRIES or mapped.span is None else _in_memory(value, mapped.span, copies)
@@ -189,7 +209,7 @@ def reading_from(checkpoint: Any) -> Generator[None, None, None]:
 
     A checkpoint read into memory is left as it is.
     """
-    mapped = checkpoint if isinstance(checkpoint, MappedCheckpoint) and checkpoint.span is not None else None
+    mapped = checkpoint if isinstance(checkpoint, MappedCheckpoint) and checkpoint.file_backed else None
     token = _READING.set(mapped)
     try:
         yield None
@@ -204,7 +224,9 @@ def release_pages(tensor: Tensor) -> None:
     restored (:func:`reading_from`), once what a rank keeps of it has been copied out. A tensor that is not part of
     that mapping (anything in memory, a DTensor, a tensor on another device) is left alone."""
     mapped = _READING.get()
-    if mapped is None or mapped.span is None or isinstance(tensor, DTensor) or tensor.device.type != "cpu":
+    if mapped is None or not mapped.file_backed or mapped.span is None:
+        return
+    if isinstance(tensor, DTensor) or tensor.device.type != "cpu":
         return
     try:
         storage = tensor.untyped_storage()
