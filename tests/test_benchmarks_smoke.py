@@ -39,10 +39,10 @@ def test_smoke_run_writes_every_benchmark_with_numbers_and_plots(tmp_path: Path)
     GPT-2 included."""
     out = tmp_path / "results"
     subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--smoke", "--out", str(out), "--timeout", "120"],
+        [sys.executable, "-m", "benchmarks", "--smoke", "--out", str(out), "--timeout", "170"],
         cwd=ROOT,
         check=True,
-        timeout=180,
+        timeout=240,
         capture_output=True,
     )
     results = json.loads((out / "results.json").read_text())
