@@ -27,7 +27,7 @@ from lightning_strategies.checkpoint.io import (
 from lightning_strategies.strategies.atomic_io import AtomicTorchCheckpointIO, read_full_checkpoint
 from lightning_strategies.testing import SaveAfterRestore
 from tests.conftest import write_json
-from tests.helpers import assert_same_checkpoint_state, fit, new_model, train_and_save
+from tests.support.helpers import assert_same_checkpoint_state, fit, new_model, train_and_save
 
 STRATEGIES: dict[str, Callable[..., pl.strategies.Strategy]] = {
     "ddp_sharded": ShardedDDPStrategy,
