@@ -13,27 +13,22 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import AsyncCheckpointIO
 
-from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy, ShardedDDPStrategy
 from lightning_strategies.checkpoint.sharded import open_sharded, sharded_directory
 from lightning_strategies.strategies.atomic_io import AtomicTorchCheckpointIO
 from lightning_strategies.strategies.base import DirectReferenceStrategy
 from lightning_strategies.testing import SaveAfterRestore
 from tests.conftest import trainer_kwargs
-from tests.support.helpers import assert_same_checkpoint_state, canonical_checkpoint, fit, new_model
+from tests.support.helpers import (
+    SAVE_FORMATS,
+    STRATEGY_CLASSES,
+    assert_same_checkpoint_state,
+    canonical_checkpoint,
+    fit,
+    new_model,
+)
 
-CLASSES: dict[str, type[DirectReferenceStrategy]] = {
-    "ddp_sharded": ShardedDDPStrategy,
-    "fsdp_fairscale": FairScaleFSDPStrategy,
-    "fsdp2": FSDP2Strategy,
-}
-# (strategy, state_dict_type): ddp_sharded writes full files only.
-FORMATS = [
-    ("ddp_sharded", "full"),
-    ("fsdp_fairscale", "full"),
-    ("fsdp_fairscale", "sharded"),
-    ("fsdp2", "full"),
-    ("fsdp2", "sharded"),
-]
+CLASSES = STRATEGY_CLASSES
+FORMATS = SAVE_FORMATS
 SHARDED = [(name, kind) for name, kind in FORMATS if kind == "sharded"]
 
 

@@ -20,7 +20,6 @@ import pytorch_lightning as pl
 import torch.distributed as dist
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy, ShardedDDPStrategy
 from lightning_strategies.checkpoint.sharded import open_sharded, sharded_directory
 from lightning_strategies.strategies import async_saves
 from lightning_strategies.strategies.async_saves import AsyncSaveError
@@ -28,21 +27,17 @@ from lightning_strategies.strategies.atomic_io import AtomicTorchCheckpointIO
 from lightning_strategies.strategies.base import DirectReferenceStrategy
 from lightning_strategies.testing import SaveAfterRestore
 from tests.conftest import free_loopback_port, write_json
-from tests.support.helpers import assert_same_checkpoint_state, canonical_checkpoint, fit, new_model
+from tests.support.helpers import (
+    SAVE_FORMATS,
+    STRATEGY_CLASSES,
+    assert_same_checkpoint_state,
+    canonical_checkpoint,
+    fit,
+    new_model,
+)
 
-CLASSES: dict[str, type[DirectReferenceStrategy]] = {
-    "ddp_sharded": ShardedDDPStrategy,
-    "fsdp_fairscale": FairScaleFSDPStrategy,
-    "fsdp2": FSDP2Strategy,
-}
-# (strategy, state_dict_type): ddp_sharded writes full files only.
-FORMATS = [
-    ("ddp_sharded", "full"),
-    ("fsdp_fairscale", "full"),
-    ("fsdp_fairscale", "sharded"),
-    ("fsdp2", "full"),
-    ("fsdp2", "sharded"),
-]
+CLASSES = STRATEGY_CLASSES
+FORMATS = SAVE_FORMATS
 TINY = {"limit_train_batches": 2, "limit_val_batches": 0}  # two steps an epoch, no validation: fits stay short
 
 

@@ -13,17 +13,18 @@ import pytest
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy, ShardedDDPStrategy
 from lightning_strategies.cli import main
-from lightning_strategies.strategies.base import DirectReferenceStrategy
 from lightning_strategies.testing import ConformanceModel, SaveAfterRestore
-from tests.support.helpers import WarningRecorder, assert_same_tree, canonical_checkpoint, fit, new_model
+from tests.support.helpers import (
+    STRATEGY_CLASSES,
+    WarningRecorder,
+    assert_same_tree,
+    canonical_checkpoint,
+    fit,
+    new_model,
+)
 
-CLASSES: dict[str, type[DirectReferenceStrategy]] = {
-    "ddp_sharded": ShardedDDPStrategy,
-    "fsdp_fairscale": FairScaleFSDPStrategy,
-    "fsdp2": FSDP2Strategy,
-}
+CLASSES = STRATEGY_CLASSES
 SHARDED_WRITERS = ["fsdp_fairscale", "fsdp2"]
 WARNING = "holds no optimizer state"
 

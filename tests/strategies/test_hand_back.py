@@ -11,10 +11,10 @@ import pytest
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy, ShardedDDPStrategy
-from lightning_strategies.strategies.base import DirectReferenceStrategy
+from lightning_strategies import ShardedDDPStrategy
 from lightning_strategies.testing import SaveAfterRestore
 from tests.support.helpers import (
+    STRATEGY_CLASSES,
     LossRecorder,
     SaveAtTrainEnd,
     WarningRecorder,
@@ -26,11 +26,7 @@ from tests.support.helpers import (
 
 FORK = ["ddp_sharded_fork", "fsdp_fairscale_fork", "fsdp2_fork"]
 SPAWN = ["ddp_sharded_spawn", "fsdp_fairscale_spawn", "fsdp2_spawn"]
-CLASSES: dict[str, type[DirectReferenceStrategy]] = {
-    "ddp_sharded": ShardedDDPStrategy,
-    "fsdp_fairscale": FairScaleFSDPStrategy,
-    "fsdp2": FSDP2Strategy,
-}
+CLASSES = STRATEGY_CLASSES
 WARNING = "holds no optimizer state"
 
 

@@ -14,10 +14,11 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import Strategy
 from torch.distributed.tensor import DTensor
 
-from lightning_strategies import ShardedDDPStrategy
+from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy, ShardedDDPStrategy
 from lightning_strategies.checkpoint.consolidation import consolidate
 from lightning_strategies.checkpoint.optimizer_state import numbered_through_groups
 from lightning_strategies.checkpoint.sharded import open_sharded, sharded_directory
+from lightning_strategies.strategies.base import DirectReferenceStrategy
 from lightning_strategies.testing import ConformanceModel, SaveAfterRestore
 from tests.conftest import trainer_kwargs, write_json
 
@@ -304,3 +305,19 @@ class WarningRecorder(pl.Callback):
 
     def read(self, world_size: int = 2) -> list[list[str]]:
         return [json.loads((self.directory / f"warnings-rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+#: Our strategies by registry name.
+STRATEGY_CLASSES: dict[str, type[DirectReferenceStrategy]] = {
+    "ddp_sharded": ShardedDDPStrategy,
+    "fsdp_fairscale": FairScaleFSDPStrategy,
+    "fsdp2": FSDP2Strategy,
+}
+#: Every (strategy, state_dict_type) a strategy saves: ddp_sharded writes full files only.
+SAVE_FORMATS = [
+    ("ddp_sharded", "full"),
+    ("fsdp_fairscale", "full"),
+    ("fsdp_fairscale", "sharded"),
+    ("fsdp2", "full"),
+    ("fsdp2", "sharded"),
+]
