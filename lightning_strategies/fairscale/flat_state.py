@@ -99,6 +99,7 @@ def gather_model_state(
         full = gather_full(unit.local_shard, unit.numel, unit.instance.process_group)
         if full is not None:
             state.update(zip(unit.names, split_full(full.cpu(), unit.shapes, copy=False), strict=True))
+        del full  # on a GPU the gathered buffer goes before the next one is gathered (the parts are host copies)
     if not is_global_zero:
         return {}
     for key, buffer in persistent_buffers(root):
@@ -120,6 +121,7 @@ def gather_optimizer_state(optimizer: Optimizer, layout: OptimizerLayout, is_glo
                 full = gather_full(value, unit.numel, unit.instance.process_group)
                 # Views of the gathered buffer: the canonical state adds no second full copy.
                 parts = split_full(full.cpu(), unit.shapes, copy=False) if full is not None else []
+                del full  # as above: one gathered GPU buffer at a time, not two
             else:  # a scalar such as Adam's step: one independent copy per parameter (steps count in place)
                 parts = [value.detach().cpu().clone() if isinstance(value, Tensor) else value for _ in unit.names]
             for name, part in zip(unit.names, parts, strict=False):
