@@ -105,28 +105,10 @@ class Zero1Shards(ShardedFormat):
             state[f"optimizer_{index}"] = optimizer_state
         dcp_save(state, checkpoint_id=staging, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
 
-    # Restore. This format reads nothing in place: the base class consolidates every sharded directory (this one,
-    # fsdp2's, upstream's) into full canonical state on each rank, and `_load_canonical_optimizer_state` keeps this
-    # rank's partition of it. Reading only this rank's partition would also need this format's own checks of the
-    # directory against the run (the methods below): more than this example's budget.
-
-    def reads_in_place(self, sharded: Any) -> bool:
-        return False
-
-    def open(self, sharded: Any) -> dict[str, Any]:
-        raise NotImplementedError  # never called: reads_in_place() is False
-
-    def holds_optimizer_states(self, checkpoint: Mapping[str, Any]) -> bool:
-        raise NotImplementedError
-
-    def problem(self, checkpoint: Mapping[str, Any], strict: bool, restoring_optimizers: bool) -> None:
-        raise NotImplementedError
-
-    def load_model(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
-        raise NotImplementedError
-
-    def load_optimizers(self, checkpoint: Mapping[str, Any]) -> None:
-        raise NotImplementedError
+    # Restore: nothing here. ShardedFormat's defaults make it write-only: the base class consolidates every sharded
+    # directory (this one, fsdp2's, upstream's) into full canonical state on each rank, and
+    # `_load_canonical_optimizer_state` keeps this rank's partition of it. Reading only this rank's partition in place
+    # would mean implementing reads_in_place, open, holds_optimizer_states, problem, load_model and load_optimizers.
 
 
 if __name__ == "__main__":

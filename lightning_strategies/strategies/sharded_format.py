@@ -25,7 +25,9 @@ class ShardedFormat(ABC):
 
     The strategy returns a new instance from
     :meth:`~lightning_strategies.DirectReferenceStrategy.sharded_format`; one instance serves one save, or one restore
-    from :meth:`open` to :meth:`load_optimizers` (it may keep what it read in between).
+    from :meth:`open` to :meth:`load_optimizers` (it may keep what it read in between). A write-only format
+    implements the three save methods; one that reads its directories in place also implements the six restore
+    methods.
     """
 
     #: ``write`` returns on rank 0 only once every rank's files are written (``torch.distributed.checkpoint.save``
@@ -73,24 +75,35 @@ class ShardedFormat(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not write in the background.")
 
     # ------------------------------------------------------------------ restore
+    # A write-only format keeps these defaults: its directories are consolidated and loaded as full checkpoints
+    # (they must be in one of the layouts consolidation reads: torch.distributed.checkpoint, or this package's rank
+    # files). A format that reads in place returns True from reads_in_place and implements the other five.
 
-    @abstractmethod
     def reads_in_place(self, sharded: ShardedCheckpoint) -> bool:
-        """Whether this format restores ``sharded`` itself; any other directory is consolidated and loaded as full."""
+        """Whether this format restores ``sharded`` itself; any other directory is consolidated and loaded as full.
 
-    @abstractmethod
+        Default: ``False`` (a write-only format).
+        """
+        return False
+
+    def _not_read_in_place(self, method: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"{type(self).__name__}.reads_in_place() returned True but {method}() is not implemented: implement it, or"
+            " return False so that the directory is consolidated and loaded as a full checkpoint."
+        )
+
     def open(self, sharded: ShardedCheckpoint) -> dict[str, Any]:
         """Reads what this rank needs of ``sharded``: the checkpoint dict Lightning restores from.
 
         It holds ``meta.pt``'s entries (loops, callbacks, schedulers) and an ``"optimizer_states"`` entry whenever the
         save wrote optimizer states (Lightning restores optimizers only when the key is there).
         """
+        raise self._not_read_in_place("open")
 
-    @abstractmethod
     def holds_optimizer_states(self, checkpoint: Mapping[str, Any]) -> bool:
         """Whether the opened save holds optimizer states (``False`` for a weights-only save)."""
+        raise self._not_read_in_place("holds_optimizer_states")
 
-    @abstractmethod
     def problem(
         self, checkpoint: Mapping[str, Any], strict: bool, restoring_optimizers: bool
     ) -> CheckpointError | None:
@@ -102,11 +115,12 @@ class ShardedFormat(ABC):
             restoring_optimizers: Whether the optimizer states are restored too (a fit that restores them), so they
                 are checked now, before any weight changes.
         """
+        raise self._not_read_in_place("problem")
 
-    @abstractmethod
     def load_model(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
         """Loads the checked model state into the (wrapped) model."""
+        raise self._not_read_in_place("load_model")
 
-    @abstractmethod
     def load_optimizers(self, checkpoint: Mapping[str, Any]) -> None:
         """Loads the checked optimizer states into the strategy's optimizers (only when the save holds them)."""
+        raise self._not_read_in_place("load_optimizers")

@@ -281,15 +281,6 @@ def test_a_sharded_checkpoint_given_to_another_strategy_is_read_whole_and_restor
 # ---------------------------------------------------------------------------------------------- launchers
 
 
-def test_spawn_launcher_hands_the_trained_weights_to_the_main_process() -> None:
-    reference = new_model()
-    fit("ddp_fork", reference, max_epochs=1)
-    model = new_model()
-    fit("fsdp_fairscale_spawn", model, max_epochs=1)
-
-    assert_same_weights(reference, model, atol=1e-5)
-
-
 def test_the_cpu_patches_are_removed_when_an_in_process_run_ends() -> None:
     from lightning_strategies.fairscale import cpu as fairscale_cpu
 

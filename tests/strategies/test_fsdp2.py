@@ -85,15 +85,6 @@ def test_the_in_process_variant_conforms_on_one_process(tmp_path: Path) -> None:
     assert_strategy_conforms(lambda: "fsdp2", tmp_path, devices=1)
 
 
-def test_spawn_launcher_hands_the_trained_weights_to_the_main_process() -> None:
-    reference = new_model()
-    fit("ddp_fork", reference, max_epochs=1)
-    model = new_model()
-    fit("fsdp2_spawn", model, max_epochs=1)
-
-    assert_same_weights(reference, model, atol=1e-5)
-
-
 def test_there_is_no_wrapper_and_parameters_are_dtensors(tmp_path: Path) -> None:
     def probe(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, Any]:
         strategy = trainer.strategy

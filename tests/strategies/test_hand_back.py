@@ -57,6 +57,9 @@ def test_main_process_save_after_fit_equals_rank_zeros_save_at_the_end_of_fit(tm
 
     main, rank0 = load(tmp_path / "main.ckpt"), load(at_train_end)
     assert_same_tree(rank0, main)
+    if strategy in SPAWN:  # the one spawn fit per strategy: the main process's module holds what ddp trains
+        reference = fit("ddp_fork", new_model(), max_epochs=1)
+        assert_same_weights(reference.lightning_module, trainer.lightning_module, atol=1e-5)
     assert "state_dict" not in trainer.strategy.launcher.end_of_fit_state  # one copy of the weights: the module's
     # What upstream's main process loses, here equal to rank 0's: optimizer, scheduler, loop and callback state.
     assert sorted(main["optimizer_states"][0]["state"]) == [0, 1, 2, 3]

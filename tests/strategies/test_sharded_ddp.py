@@ -273,15 +273,3 @@ def test_validate_from_a_checkpoint_uses_its_weights(tmp_path: Path) -> None:
     with torch.no_grad():
         expected = torch.nn.functional.mse_loss(trained(data.tensors[0]), data.tensors[1])
     assert result["val_loss"] == pytest.approx(float(expected), abs=1e-6)
-
-
-# ---------------------------------------------------------------------------------------------- launchers
-
-
-def test_spawn_launcher_hands_the_trained_weights_to_the_main_process() -> None:
-    reference = new_model()
-    fit("ddp_fork", reference, max_epochs=1)
-    model = new_model()
-    fit("ddp_sharded_spawn", model, max_epochs=1)
-
-    assert_same_weights(reference, model)

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_strategies.checkpoint.consolidation import consolidate
 from lightning_strategies.checkpoint.sharded import open_sharded
-from lightning_strategies.testing import ConformanceModel, assert_strategy_conforms, max_state_difference
+from lightning_strategies.testing import ConformanceModel, max_state_difference
 from lightning_strategies.testing.matrix import MatrixStrategy, run_matrix
 from tests.conftest import trainer_kwargs
 
@@ -54,8 +54,8 @@ def test_the_example_stays_under_150_lines() -> None:
     assert len(EXAMPLE.read_text().splitlines()) < 150
 
 
-def test_zero1_conforms(tmp_path: Path) -> None:
-    assert_strategy_conforms(_zero1, tmp_path, optimizer="adam")
+# The conformance kit on the example runs where a user runs it: tests/test_docs_examples.py starts the page's block
+# (the file itself) as a script, whose `__main__` calls assert_strategy_conforms and fails on any failed check.
 
 
 def test_zero1_checkpoints_cross_with_ddp_and_fsdp2_both_ways(tmp_path: Path) -> None:
