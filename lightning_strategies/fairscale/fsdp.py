@@ -79,24 +79,17 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
     (``state_dict_type="full"``, default) or one file per rank (``"sharded"``). With ``accelerator="cpu"`` the scoped
     patches of :mod:`lightning_strategies.fairscale.cpu` are applied while the strategy runs.
 
+    It also takes the arguments every strategy of this package shares (``accelerator``, ``parallel_devices``,
+    ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``timeout``,
+    ``start_method``, ``hand_back``, ``async_save``), with the same defaults and meaning as
+    :class:`~lightning_strategies.DirectReferenceStrategy`, which documents them.
+
     Args:
-        accelerator: The accelerator (set by the Trainer when omitted).
-        parallel_devices: Devices of this node (set by the Trainer when omitted).
-        cluster_environment: Cluster environment (set by the Trainer when omitted).
-        checkpoint_io: Checkpoint IO plugin.
-        precision_plugin: Precision plugin.
-        process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
-        timeout: Timeout of collective operations.
-        start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
-        hand_back: After a fork/spawn fit, ``"checkpoint"`` (the main process can save a complete checkpoint) or
-            ``"weights"`` (weights only, less memory in the main process).
         auto_wrap_min_params: Submodules with at least this many parameters get their own FSDP; ``None`` wraps only
             the root. Ignored when ``configure_model`` already wrapped submodules.
         state_dict_type: ``"full"`` (one canonical file) or ``"sharded"`` (a directory, one file per rank).
         broadcast_buffers: Give every rank global rank 0's buffers that change in training (BatchNorm running
             statistics) before each forward, as ``ddp`` does; ``False`` keeps each rank's own (no collective).
-        async_save: Write checkpoints in a background thread while training goes on (see the user guide,
-            "Asynchronous saves"); only gathering or staging to the CPU blocks the step.
         **fsdp_kwargs: Passed to every ``FullyShardedDataParallel``: ``flatten_parameters``,
             ``reshard_after_forward``, ``mixed_precision``, ``compute_dtype``, ``fp32_reduce_scatter``,
             ``bucket_cap_mb``, ``cpu_offload``, ``move_grads_to_cpu``, ``state_dict_on_rank_0_only`` (default

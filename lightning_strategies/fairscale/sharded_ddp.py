@@ -107,19 +107,12 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
     optimizers of the same type, param groups and defaults, and the LR schedulers follow them. Checkpoints hold the
     optimizer state consolidated on rank 0 in torch's canonical layout, so they resume under any strategy.
 
+    It also takes the arguments every strategy of this package shares (``accelerator``, ``parallel_devices``,
+    ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``timeout``,
+    ``start_method``, ``hand_back``, ``async_save``), with the same defaults and meaning as
+    :class:`~lightning_strategies.DirectReferenceStrategy`, which documents them.
+
     Args:
-        accelerator: The accelerator (set by the Trainer when omitted).
-        parallel_devices: Devices of this node (set by the Trainer when omitted).
-        cluster_environment: Cluster environment (set by the Trainer when omitted).
-        checkpoint_io: Checkpoint IO plugin.
-        precision_plugin: Precision plugin.
-        process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
-        timeout: Timeout of collective operations.
-        start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
-        hand_back: After a fork/spawn fit, ``"checkpoint"`` (the main process can save a complete checkpoint) or
-            ``"weights"`` (weights only, less memory in the main process).
-        async_save: Write checkpoints in a background thread while training goes on (see the user guide,
-            "Asynchronous saves"); only gathering or staging to the CPU blocks the step.
         **sharded_ddp_kwargs: Passed to ``fairscale.nn.ShardedDataParallel`` (``broadcast_buffers``,
             ``reduce_buffer_size``, ``auto_refresh_trainable``, ``reduce_fp16``, ...). ``reduce_buffer_size``
             defaults to 0 here (fairscale: 2**23): with buckets, gradients must be zeroed in place, so the

@@ -76,17 +76,12 @@ class FSDP2Strategy(DirectReferenceStrategy):
     runs the root's FSDP hooks once, as in a hand-written loop. Optimizers are created after sharding, over the
     DTensor parameters.
 
+    It also takes the arguments every strategy of this package shares (``accelerator``, ``parallel_devices``,
+    ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``timeout``,
+    ``start_method``, ``hand_back``, ``async_save``), with the same defaults and meaning as
+    :class:`~lightning_strategies.DirectReferenceStrategy`, which documents them.
+
     Args:
-        accelerator: The accelerator (set by the Trainer when omitted).
-        parallel_devices: Devices of this node (set by the Trainer when omitted).
-        cluster_environment: Cluster environment (set by the Trainer when omitted).
-        checkpoint_io: Checkpoint IO plugin.
-        precision_plugin: Precision plugin.
-        process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
-        timeout: Timeout of collective operations.
-        start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
-        hand_back: After a fork/spawn fit, ``"checkpoint"`` (the main process can save a complete checkpoint) or
-            ``"weights"`` (weights only, less memory in the main process).
         shard_module_classes: Submodule classes that get their own ``fully_shard`` (e.g. transformer blocks).
         min_num_params: Also shard submodules holding at least this many parameters not yet sharded below them.
         reshard_after_forward: Free gathered parameters after forward (ZeRO-3) or keep them until backward.
@@ -100,8 +95,6 @@ class FSDP2Strategy(DirectReferenceStrategy):
         broadcast_buffers: Give every rank global rank 0's buffers that change in training (BatchNorm running
             statistics) before each forward, as ``ddp`` does; ``False`` keeps each rank's own (no collective).
 
-        async_save: Write checkpoints in a background thread while training goes on (see the user guide,
-            "Asynchronous saves"); only gathering or staging to the CPU blocks the step.
     Raises:
         ValueError: An unknown ``state_dict_type``.
     """
