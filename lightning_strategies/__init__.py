@@ -20,6 +20,7 @@ _FLAVOUR = flavour_of(__name__)
 _OTHER = PYTORCH_LIGHTNING if _FLAVOUR is LIGHTNING else LIGHTNING
 
 __all__ = [
+    "AsyncSaveError",
     "CheckpointMetadata",
     "CheckpointRefusedError",
     "DirectReferenceStrategy",
@@ -43,6 +44,7 @@ if find_spec(_FLAVOUR.pytorch.split(".")[0]) is not None and find_spec(_FLAVOUR.
         ShardedDDPStrategy,
     )
     from .strategies.agreement import RanksDisagreeError
+    from .strategies.async_saves import AsyncSaveError
     from .strategies.stops import CheckpointRefusedError
 
     for _strategy in (ShardedDDPStrategy, FairScaleFSDPStrategy, FSDP2Strategy):

@@ -20,9 +20,9 @@ import pytorch_lightning as pl
 import torch.distributed as dist
 from pytorch_lightning.callbacks import ModelCheckpoint
 
+from lightning_strategies import AsyncSaveError
 from lightning_strategies.checkpoint.sharded import open_sharded, sharded_directory
 from lightning_strategies.strategies import async_saves
-from lightning_strategies.strategies.async_saves import AsyncSaveError
 from lightning_strategies.strategies.atomic_io import AtomicTorchCheckpointIO
 from lightning_strategies.strategies.base import DirectReferenceStrategy
 from lightning_strategies.testing import SaveAfterRestore
