@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import random
 import signal
 import time
 from collections.abc import Callable
@@ -67,14 +66,76 @@ def assert_complete(path: Path) -> None:
     assert checkpoint["state_dict"] and checkpoint["optimizer_states"]
 
 
-def slow_writes(seconds: float) -> Callable[[Callable[[], None]], None]:
-    """A background writer that waits ``seconds`` before writing: saves stay pending while training goes on."""
+class Gate:
+    """A gate the test controls on the background writes (the ``write_in_background`` seam): a save stays pending until
+    its write is let through, however fast or slow the machine, so "a save is pending here" is never left to timing.
 
-    def write(files: Callable[[], None]) -> None:
-        time.sleep(seconds)
+    Writes are numbered per process from 1 (a fit's ranks are forked with the count at 0); the first ``open_first`` pass
+    at once. A write held at the gate leaves ``waiting-<n>-rank<r>`` in ``directory`` — before writing its files, or
+    after them (``hold="after"``: written, not committed) — and goes on once the worker's main thread lets it through
+    (:meth:`let_through`) or the test's process creates ``directory/open`` (:meth:`open`; the files work across the
+    forked processes).
+    """
+
+    def __init__(self, directory: Path, *, open_first: int = 0, hold: str = "before") -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory, self.open_first, self.hold = directory, open_first, hold
+        self.started = 0  # writes this process started (one save is pending at a time: no race)
+        self.let_through_up_to = 0  # written by the worker's main thread, read by its background thread
+
+    def __call__(self, files: Callable[[], None]) -> None:
+        self.started += 1
+        number = self.started
+        if self.hold == "before":
+            self._wait(number)
         files()
+        if self.hold == "after":
+            self._wait(number)
 
-    return write
+    def _wait(self, number: int) -> None:
+        if number <= self.open_first:
+            return
+        (self.directory / f"waiting-{number}-rank{dist.get_rank()}").touch()
+        deadline = time.monotonic() + 120
+        while number > self.let_through_up_to and not (self.directory / "open").exists():
+            if time.monotonic() > deadline:  # a test that never opens the gate fails instead of hanging
+                raise TimeoutError(f"the test never let background write {number} through")
+            time.sleep(0.002)
+
+    def let_through(self) -> None:
+        """Lets the next held write of this process through."""
+        self.let_through_up_to += 1
+
+    def open(self) -> None:
+        """Lets every write through, from any process."""
+        (self.directory / "open").touch()
+
+    def waiting(self, number: int) -> list[int]:
+        """The ranks whose write ``number`` is held at the gate (or was, until let through)."""
+        return sorted(int(path.name.rsplit("rank", 1)[1]) for path in self.directory.glob(f"waiting-{number}-rank*"))
+
+
+def gated_until_the_ranks_meet(monkeypatch: pytest.MonkeyPatch, gate: Gate, log: Path) -> None:
+    """Holds every background write at ``gate`` until the ranks next meet (``AsyncSaves.finish``: the next save, the
+    end of training, teardown), and lets it through only there: each save stays pending as long as it possibly can.
+    Rank 0 logs, for each save let through, whether its path existed then (``finish`` is patched in this process; the
+    forked ranks inherit it)."""
+    finish = async_saves.AsyncSaves.finish
+
+    def finish_after_the_gate(self: async_saves.AsyncSaves) -> None:
+        save = self._pending
+        if save is not None and save.thread is not None:  # this rank writes: its write waits at the gate
+            if dist.get_rank() == 0:
+                with log.open("a") as file:
+                    file.write(
+                        json.dumps({"let_through": Path(save.target).name, "existed": Path(save.target).exists()})
+                    )
+                    file.write("\n")
+            gate.let_through()
+        finish(self)
+
+    monkeypatch.setattr(async_saves, "write_in_background", gate)
+    monkeypatch.setattr(async_saves.AsyncSaves, "finish", finish_after_the_gate)
 
 
 @pytest.mark.parametrize(("name", "state_dict_type"), FORMATS)
@@ -133,7 +194,22 @@ class RemovalRecorder(AtomicTorchCheckpointIO):
 def test_model_checkpoint_removes_an_old_checkpoint_only_once_the_new_one_is_complete(
     tmp_path: Path, name: str, state_dict_type: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(async_saves, "write_in_background", slow_writes(0.3))  # still pending at the removal
+    gated_until_the_ranks_meet(monkeypatch, Gate(tmp_path / "gate"), tmp_path / "let-through.log")
+    requests = tmp_path / "requested.log"
+    defer_removal = async_saves.AsyncSaves.defer_removal
+
+    def recording_deferrals(self: async_saves.AsyncSaves, remove: Callable[[], None]) -> bool:
+        pending = self._pending
+        deferred = defer_removal(self, remove)
+        if dist.get_rank() == 0:  # which removal ModelCheckpoint asked for, and whether the save it waits for existed
+            entry = {"removal": Path(remove.args[0]).name, "deferred": deferred}  # type: ignore[attr-defined]
+            if pending is not None:
+                entry.update(pending=Path(pending.target).name, pending_existed=Path(pending.target).exists())
+            with requests.open("a") as file:
+                file.write(json.dumps(entry) + "\n")
+        return deferred
+
+    monkeypatch.setattr(async_saves.AsyncSaves, "defer_removal", recording_deferrals)
     directory, log = tmp_path / "checkpoints", tmp_path / "removed.log"
     fit(
         strategy(name, state_dict_type, checkpoint_io=RemovalRecorder(log)),
@@ -152,6 +228,25 @@ def test_model_checkpoint_removes_an_old_checkpoint_only_once_the_new_one_is_com
     for entry in removals:  # when each old one went, its successor was there, complete
         assert all(entry["others"].values()) and len(entry["others"]) == 2, entry
     assert not leftovers(directory)
+    # Not vacuous: each removal was asked for while its successor was still held at the gate, not on disk yet.
+    asked = [json.loads(line) for line in requests.read_text().splitlines()]
+    assert [entry for entry in asked if entry["deferred"]] == [
+        {
+            "removal": "epoch=0-step=2.ckpt",
+            "deferred": True,
+            "pending": "epoch=1-step=4.ckpt",
+            "pending_existed": False,
+        },
+        {
+            "removal": "epoch=1-step=4.ckpt",
+            "deferred": True,
+            "pending": "epoch=2-step=6.ckpt",
+            "pending_existed": False,
+        },
+    ]
+    let_through = [json.loads(line) for line in (tmp_path / "let-through.log").read_text().splitlines()]
+    saves = ["epoch=0-step=2.ckpt", "last.ckpt", "epoch=1-step=4.ckpt", "last.ckpt", "epoch=2-step=6.ckpt", "last.ckpt"]
+    assert [entry["let_through"] for entry in let_through] == saves  # each held until the ranks next met
 
 
 def failing_on(rank: int, *, after_writing: bool) -> Callable[[Callable[[], None]], None]:
@@ -221,10 +316,10 @@ class SaveEveryStep(pl.Callback):
             self.committed.put(trainer.global_step - 1)
 
 
-def _save_in_a_loop(name: str, state_dict_type: str, path: str, committed: Any, port: int) -> None:
+def _save_in_a_loop(name: str, state_dict_type: str, path: str, committed: Any, port: int, gate: Gate) -> None:
     os.setsid()  # one process group with the ranks it forks: the test kills them all at once
     os.environ["MASTER_PORT"] = str(port)
-    async_saves.write_in_background = slow_writes(0.5)  # a kill lands inside a background write
+    async_saves.write_in_background = gate  # the second save's write is held: the kill lands inside it
     callbacks = [SaveEveryStep(Path(path), committed)]
     fit(strategy(name, state_dict_type), new_model(), callbacks=callbacks, max_epochs=100_000, **TINY)
 
@@ -234,22 +329,31 @@ def test_sigkill_during_an_async_save_leaves_the_previous_checkpoint_resumable(
     tmp_path: Path, name: str, state_dict_type: str
 ) -> None:
     path = tmp_path / "last.ckpt"
+    # The first save passes; the second is held before its write (a full file: nothing of it is on disk) or, for a
+    # sharded directory, after every rank wrote its files (staged, not committed: the sharpest point to be killed at).
+    sharded = state_dict_type == "sharded"
+    gate = Gate(tmp_path / "gate", open_first=1, hold="after" if sharded else "before")
     context = multiprocessing.get_context("fork")
     committed = context.Queue()
     saver = context.Process(
-        target=_save_in_a_loop, args=(name, state_dict_type, str(path), committed, free_loopback_port())
+        target=_save_in_a_loop, args=(name, state_dict_type, str(path), committed, free_loopback_port(), gate)
     )
     saver.start()
     try:
-        first = committed.get(timeout=120)  # one complete save exists from here on; the next one is pending
-        time.sleep(random.Random(name + state_dict_type).uniform(0.1, 0.55))  # inside the next background write
+        first = committed.get(timeout=120)  # the first save is complete; the second one is pending
+        writers = [0, 1] if sharded else [0]  # rank 0 alone writes a full file
+        deadline = time.monotonic() + 120
+        while gate.waiting(2) != writers and time.monotonic() < deadline and saver.is_alive():
+            time.sleep(0.01)
+        held = gate.waiting(2)
     finally:
         os.killpg(saver.pid or 0, signal.SIGKILL)
         saver.join(timeout=30)
 
+    assert held == writers  # not vacuous: the kill landed while the second save's write was held, uncommitted
     assert (sharded_directory(path) is not None) == (state_dict_type == "sharded")
     step = canonical_checkpoint(path)["global_step"]  # raises on a torn or mixed checkpoint
-    assert step >= first
+    assert step == first  # the previous checkpoint, whole
     # It resumes (the synchronous flow cleans what the killed save left).
     fit(strategy(name, state_dict_type, async_save=False), new_model(seed=11), ckpt_path=path, max_steps=step + 1)
 
@@ -279,7 +383,7 @@ class ExistsAtTrainEnd(pl.Callback):
 def test_teardown_waits_for_the_pending_save_and_commits_it(
     tmp_path: Path, name: str, state_dict_type: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(async_saves, "write_in_background", slow_writes(0.5))  # pending when the run ends
+    gated_until_the_ranks_meet(monkeypatch, Gate(tmp_path / "gate"), tmp_path / "let-through.log")
     directory, record = tmp_path / "checkpoints", tmp_path / "exists.json"
     path = directory / "epoch=0.ckpt"
     fit(
@@ -292,6 +396,9 @@ def test_teardown_waits_for_the_pending_save_and_commits_it(
     )
 
     assert json.loads(record.read_text()) is False  # still being written when training ended
+    # Held at the gate until teardown let it through, its path still empty then.
+    let_through = [json.loads(line) for line in (tmp_path / "let-through.log").read_text().splitlines()]
+    assert let_through == [{"let_through": "epoch=0.ckpt", "existed": False}]
     assert_complete(path)  # teardown waited for it and committed it
     assert canonical_checkpoint(path)["global_step"] == 2
     assert not leftovers(directory)
