@@ -51,9 +51,20 @@ def _strategy(name: str, state_dict_type: str, module: BenchModule, async_save: 
     )
 
 
+def _writing(trainer: pl.Trainer) -> bool:
+    saves = getattr(trainer.strategy, "_async_saves", None)
+    return saves is not None and saves.writing
+
+
 class _BlockedTimer(pl.Callback):
     """Saves every ``STEPS_BETWEEN_SAVES`` steps after the warm-up and records how long each save call blocked this
-    rank (it includes waiting for and committing the save before it), and the staging copy's size."""
+    rank (it includes waiting for and committing the save before it), and the staging copy's size.
+
+    Also times every step after the warm-up (``on_train_batch_start`` to ``on_train_batch_end``, before the save there)
+    with whether this rank's background write ran at the step's start and at its end — the steps a write runs
+    alongside (two ranks on two cores: the write's thread competes for a core and for the GIL) — and whether the step
+    before it saved (the same steps in the synchronous fit: a control for what follows a save anyway).
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -63,11 +74,28 @@ class _BlockedTimer(pl.Callback):
         self.staged_bytes = 0
         self.end_of_fit_s = 0.0
         self._end_started = 0.0
+        self.step_s: list[float] = []
+        self.writing_at: list[tuple[bool, bool]] = []  # per timed step: this rank's write ran at its start, its end
+        self.after_save: list[bool] = []  # per timed step: the step before it saved
+        self._step_started = 0.0
+        self._writing_at_start = False
+        self._saved = False
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._writing_at_start = _writing(trainer)
+        self._step_started = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        step_s = time.perf_counter() - self._step_started
         step = trainer.global_step
+        if step > WARMUP_STEPS:
+            self.step_s.append(step_s)
+            self.writing_at.append((self._writing_at_start, _writing(trainer)))
+            self.after_save.append(self._saved)
+        self._saved = False
         if step <= WARMUP_STEPS or (step - WARMUP_STEPS) % STEPS_BETWEEN_SAVES:
             return
+        self._saved = True
         start = time.perf_counter()
         trainer.save_checkpoint(self.path)
         self.blocked.append(time.perf_counter() - start)
@@ -114,6 +142,9 @@ def measure(config: Config, name: str, state_dict_type: str, model: str, saves: 
             "waited_s": timer.waited,
             "started_s": timer.started,
             "end_of_fit_s": timer.end_of_fit_s,
+            "step_s": timer.step_s,
+            "writing_at": timer.writing_at,
+            "after_save": timer.after_save,
         }
         if async_save:
             result["staged_bytes"] = timer.staged_bytes

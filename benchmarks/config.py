@@ -13,6 +13,17 @@ STRATEGIES: tuple[str, ...] = ("ddp_sharded", "fsdp_fairscale", "fsdp2")
 MODELS: tuple[str, ...] = ("mlp", "gpt2")
 #: Benchmarks in the order they run.
 BENCHMARKS: tuple[str, ...] = ("overhead", "save", "resume", "memory", "scaling", "async_save")
+#: Seconds each benchmark of a full run may take before the ranks are stopped: about twice what each took on the
+#: shared 2-core machine under load (a full run took 622 s without ``async_save``, which alone took 519 s at a load
+#: average of 11-12). A run's limit is the sum over its benchmarks (2400 s for a full run); ``--timeout`` overrides it.
+TIME_LIMIT_S: dict[str, float] = {
+    "overhead": 400,
+    "save": 400,
+    "resume": 400,
+    "memory": 150,
+    "scaling": 250,
+    "async_save": 800,
+}
 
 #: The strategy of this package that upstream Lightning's ``ModelParallelStrategy`` and ``FSDPStrategy`` are compared
 #: with.
@@ -173,3 +184,8 @@ def config_for(
     if overhead_models:
         config = replace(config, overhead_models=overhead_models)
     return config
+
+
+def time_limit_s(config: Config) -> float:
+    """Seconds the ranks of a run of ``config`` may take: the sum of :data:`TIME_LIMIT_S` over its benchmarks."""
+    return sum(TIME_LIMIT_S[name] for name in config.benchmarks)

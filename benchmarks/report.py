@@ -499,6 +499,34 @@ def summarize_scaling(ranks: Sequence[dict[str, Any]], config: Config, goals: li
 ASYNC_BLOCKED_GOAL = 0.25
 
 
+def _steps_during_writes(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The asynchronous fit's step times (the slowest rank per step) split by whether a background write ran alongside:
+    *during* — some rank's write was running when the step started (none starts within a step), whether it ended
+    within the step or ran through it (counted apart: ``steps_wholly_during_write``); *without* — none was."""
+    steps = _max_over_ranks([rank.get("step_s", []) for rank in per_rank])
+    writing = list(zip(*(rank.get("writing_at", []) for rank in per_rank), strict=True))
+    during = [seconds for seconds, at in zip(steps, writing, strict=True) if any(start for start, _ in at)]
+    without = [seconds for seconds, at in zip(steps, writing, strict=True) if not any(start for start, _ in at)]
+    rows = {"step_during_write": stats(during), "step_without_write": stats(without)}
+    return {
+        **rows,
+        "steps_wholly_during_write": sum(any(start and end for start, end in at) for at in writing),
+        "step_during_write_ratio": _ratio(rows["step_during_write"]["median"], rows["step_without_write"]["median"])
+        if during
+        else math.nan,
+    }
+
+
+def _steps_after_saves(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The control in the synchronous fit: the steps right after a save against the others (the slowest rank)."""
+    steps = _max_over_ranks([rank.get("step_s", []) for rank in per_rank])
+    after = per_rank[0].get("after_save", [False] * len(steps))  # every rank saves at the same steps
+    return {
+        "sync_step_after_save": stats([seconds for seconds, saved in zip(steps, after, strict=True) if saved]),
+        "sync_step_not_after_save": stats([seconds for seconds, saved in zip(steps, after, strict=True) if not saved]),
+    }
+
+
 def summarize_async_save(ranks: Sequence[dict[str, Any]], config: Config, goals: list[Goal]) -> dict[str, Any]:
     per_rank = _results(ranks, "async_save")
     summary: dict[str, Any] = {}
@@ -511,6 +539,8 @@ def summarize_async_save(ranks: Sequence[dict[str, Any]], config: Config, goals:
             rows[f"{side}_end_of_fit"] = max(rank[variant][side]["end_of_fit_s"] for rank in per_rank)
         rows["staged_bytes_per_rank"] = [rank[variant]["staged_bytes"] for rank in per_rank]
         rows["blocked_ratio"] = _ratio(rows["async"]["median"], rows["sync"]["median"])
+        rows.update(_steps_during_writes([rank[variant]["async"] for rank in per_rank]))
+        rows.update(_steps_after_saves([rank[variant]["sync"] for rank in per_rank]))
         summary[variant] = rows
         strategy, rest = variant.split("/", 1)
         kind, _, model = rest.partition("@")
@@ -524,6 +554,16 @@ def summarize_async_save(ranks: Sequence[dict[str, Any]], config: Config, goals:
                 ASYNC_BLOCKED_GOAL,
             )
         )
+        if math.isfinite(rows["step_during_write_ratio"]):  # a smoke run's single save has no step after it
+            goals.append(
+                Goal(
+                    "async_save",
+                    strategy,
+                    f"{label}: step time during a background write / without",
+                    rows["step_during_write_ratio"],
+                    None,
+                )
+            )
         goals.append(
             Goal(
                 "async_save",
@@ -701,14 +741,22 @@ def details_markdown(summary: dict[str, Any]) -> str:
     if "async_save" in summary:
         lines = [
             "| strategy / format | blocked per save, synchronous ms | asynchronous ms | async / sync"
-            " | end of fit (last commit) ms, sync / async | staging copy MB, rank 0 / rank 1 |",
-            "|---|---|---|---|---|---|",
+            " | end of fit (last commit) ms, sync / async | staging copy MB, rank 0 / rank 1"
+            " | step ms during a background write (steps) | step ms without (steps)"
+            " | synchronous fit: step ms after a save (steps) | other steps ms (steps) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
+
+        def steps(row: dict[str, float]) -> str:
+            return f"{span(row)} ({row['n']})" if row["n"] else "-"
+
         for variant, row in summary["async_save"].items():
             staged = " / ".join(f"{value / 1e6:.1f}" for value in row["staged_bytes_per_rank"])
             lines.append(
                 f"| `{variant}` | {span(row['sync'])} | {span(row['async'])} | {row['blocked_ratio']:.2f} |"
                 f" {_ms(row['sync_end_of_fit'])} / {_ms(row['async_end_of_fit'])} | {staged} |"
+                f" {steps(row['step_during_write'])} | {steps(row['step_without_write'])} |"
+                f" {steps(row['sync_step_after_save'])} | {steps(row['sync_step_not_after_save'])} |"
             )
         parts.append("**Asynchronous saves: the step loop blocked per save**\n\n" + "\n".join(lines))
     return "\n\n".join(parts)

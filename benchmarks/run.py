@@ -24,7 +24,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from .config import BENCHMARKS, MODELS, STRATEGIES, config_for
+from .config import BENCHMARKS, MODELS, STRATEGIES, config_for, time_limit_s
 from .launch import ROOT, WORLD_SIZE, run_workers
 from .plots import write_plots
 from .report import details_markdown, markdown_table, summarize
@@ -129,7 +129,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--models", default="", help=f"comma-separated models of the overhead benchmark ({','.join(MODELS)})"
     )
-    parser.add_argument("--timeout", type=float, default=1200, help="seconds before the ranks are stopped")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds before the ranks are stopped (default: each benchmark's allowance, summed; 2400 for a full run)",
+    )
     args = parser.parse_args(argv)
     only = tuple(name for name in args.only.split(",") if name)
     strategies = tuple(name for name in args.strategies.split(",") if name)
@@ -145,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lightning-strategies-bench-") as workdir:
-        ranks = run_workers(config, Path(workdir), timeout_s=args.timeout)
+        timeout_s = args.timeout if args.timeout is not None else time_limit_s(config)
+        ranks = run_workers(config, Path(workdir), timeout_s=timeout_s)
     summary, goals = summarize(ranks, config)
     meta = {
         **environment(),

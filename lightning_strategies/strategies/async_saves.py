@@ -192,6 +192,14 @@ class AsyncSaves:
         """Whether a save was started whose outcome the ranks have not agreed on yet."""
         return self._pending is not None
 
+    @property
+    def writing(self) -> bool:
+        """Whether the pending save's background thread still runs on this rank: its writes and, for a sharded save,
+        the agreement and the commit (what runs alongside the step loop; ``pending`` stays true until the ranks next
+        meet)."""
+        save = self._pending
+        return save is not None and save.thread is not None and save.thread.is_alive()
+
     # ------------------------------------------------------------------ saving
 
     def open(self) -> None:
