@@ -12,7 +12,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import pytorch_lightning as pl
@@ -72,16 +72,15 @@ class Gate:
 
     Writes are numbered per process from 1 (a fit's ranks are forked with the count at 0); the first ``open_first`` pass
     at once. A write held at the gate leaves ``waiting-<n>-rank<r>`` in ``directory`` — before writing its files, or
-    after them (``hold="after"``: written, not committed) — and goes on once the worker's main thread lets it through
-    (:meth:`let_through`) or the test's process creates ``directory/open`` (:meth:`open`; the files work across the
-    forked processes).
+    after them (``hold="after"``: written, not committed), which the test's process sees across the forks — and goes
+    on once the worker's main thread lets it through (:meth:`let_through`), or never (the test kills it there).
     """
 
-    def __init__(self, directory: Path, *, open_first: int = 0, hold: str = "before") -> None:
+    def __init__(self, directory: Path, *, open_first: int = 0, hold: Literal["before", "after"] = "before") -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.directory, self.open_first, self.hold = directory, open_first, hold
         self.started = 0  # writes this process started (one save is pending at a time: no race)
-        self.let_through_up_to = 0  # written by the worker's main thread, read by its background thread
+        self.let_through_up_to = open_first  # written by the worker's main thread, read by its background thread
 
     def __call__(self, files: Callable[[], None]) -> None:
         self.started += 1
@@ -93,22 +92,18 @@ class Gate:
             self._wait(number)
 
     def _wait(self, number: int) -> None:
-        if number <= self.open_first:
+        if number <= self.let_through_up_to:
             return
         (self.directory / f"waiting-{number}-rank{dist.get_rank()}").touch()
         deadline = time.monotonic() + 120
-        while number > self.let_through_up_to and not (self.directory / "open").exists():
+        while number > self.let_through_up_to:
             if time.monotonic() > deadline:  # a test that never opens the gate fails instead of hanging
                 raise TimeoutError(f"the test never let background write {number} through")
             time.sleep(0.002)
 
     def let_through(self) -> None:
-        """Lets the next held write of this process through."""
+        """Lets the next write of this process through (held already, or about to be)."""
         self.let_through_up_to += 1
-
-    def open(self) -> None:
-        """Lets every write through, from any process."""
-        (self.directory / "open").touch()
 
     def waiting(self, number: int) -> list[int]:
         """The ranks whose write ``number`` is held at the gate (or was, until let through)."""
