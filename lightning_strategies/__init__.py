@@ -29,6 +29,7 @@ __all__ = [
     "ForwardRedirection",
     "RanksDisagreeError",
     "ShardedDDPStrategy",
+    "ShardedFormat",
     "__version__",
 ]
 
@@ -45,6 +46,7 @@ if find_spec(_FLAVOUR.pytorch.split(".")[0]) is not None and find_spec(_FLAVOUR.
     )
     from .strategies.agreement import RanksDisagreeError
     from .strategies.async_saves import AsyncSaveError
+    from .strategies.sharded_format import ShardedFormat
     from .strategies.stops import CheckpointRefusedError
 
     for _strategy in (ShardedDDPStrategy, FairScaleFSDPStrategy, FSDP2Strategy):

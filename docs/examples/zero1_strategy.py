@@ -18,10 +18,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_strategies import DirectReferenceStrategy
+from lightning_strategies import DirectReferenceStrategy, ShardedFormat
 from lightning_strategies.checkpoint.dcp import dcp_stamps
 from lightning_strategies.strategies.optimizers import retarget_schedulers
-from lightning_strategies.strategies.sharded_format import ShardedFormat
 from lightning_strategies.testing import assert_strategy_conforms
 
 
