@@ -26,6 +26,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 #: Bytes of full tensors one transfer of :func:`gather_many_to_rank0` or :func:`gather_owned_to_rank0` carries at
 #: most (a larger tensor travels alone): rank 0 holds at most one such buffer beyond the gathered tensors.
 BUCKET_BYTES = 32 * 2**20
+#: Tensors of at least this many bytes travel alone, straight into their own buffer: packing them with others would
+#: cost a copy on every rank and another on rank 0 (measured: more than the round trip it saves), while a small
+#: tensor's round trip costs far more than copying it.
+ALONE_BYTES = 2**20
 
 # ---------------------------------------------------------------------------------------------- fresh copies
 
@@ -263,11 +267,14 @@ def _gather_bucket(bucket: _Bucket) -> list[Tensor] | None:
     return fulls
 
 
-def gather_many_to_rank0(values: Sequence[Any], bucket_bytes: int = BUCKET_BYTES) -> list[Any]:
+def gather_many_to_rank0(
+    values: Sequence[Any], bucket_bytes: int = BUCKET_BYTES, alone_bytes: int = ALONE_BYTES
+) -> list[Any]:
     """The full values of many tensors on global rank 0 (on the CPU), ``None`` for each on the other ranks.
 
     DTensors sharded on dim 0 of a one-dimensional mesh (FSDP2's layout) travel in buckets: one bucket holds tensors of
-    one dtype, device and mesh, up to ``bucket_bytes`` of full tensors (a larger tensor alone). Each rank packs its
+    one dtype, device and mesh, up to ``bucket_bytes`` of full tensors (a tensor of ``alone_bytes`` or more, or one
+    that fills a bucket, travels alone, without copies). Each rank packs its
     padded shards of a bucket into one buffer, sent to rank 0 in one transfer, and rank 0 cuts the full tensors out
     (a copy each, except for a bucket of one tensor, which is its own buffer): rank 0 holds at most one bucket beyond
     the gathered tensors, and no other rank ever holds a full tensor. Other DTensor layouts (and 0-dim DTensors) fall
@@ -279,6 +286,7 @@ def gather_many_to_rank0(values: Sequence[Any], bucket_bytes: int = BUCKET_BYTES
         values: Tensors, DTensors and other values, the same kinds, shapes and dtypes in the same order on every rank.
             Every rank must call this with them.
         bucket_bytes: Bytes of full tensors one transfer carries at most.
+        alone_bytes: Bytes of a full tensor from which it travels alone.
 
     Returns:
         On rank 0 the full values, in the order given; on the other ranks ``None`` for each.
@@ -309,6 +317,11 @@ def gather_many_to_rank0(values: Sequence[Any], bucket_bytes: int = BUCKET_BYTES
             if bucket is None:
                 bucket = open_buckets[key] = _Bucket(group, value.device_mesh.size())
             size = bucket.piece(value) * bucket.world_size * value.element_size()
+            if size >= alone_bytes:
+                alone = _Bucket(group, bucket.world_size)
+                alone.add(position, value)
+                flush(alone)
+                continue
             if bucket.positions and bucket.nbytes + size > bucket_bytes:
                 flush(bucket)
                 bucket = open_buckets[key] = _Bucket(group, bucket.world_size)
@@ -344,13 +357,16 @@ class TensorSpec(NamedTuple):
     dtype: torch.dtype
 
 
-def _buckets_of(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[list[int]]:
-    """Positions of ``specs`` grouped into transfers: one dtype each, in order, up to ``bucket_bytes`` (a larger
-    tensor alone). Sender and receiver compute the same from the same specs."""
+def _buckets_of(specs: Sequence[TensorSpec], bucket_bytes: int, alone_bytes: int) -> list[list[int]]:
+    """Positions of ``specs`` grouped into transfers: one dtype each, in order, up to ``bucket_bytes`` (a tensor of
+    ``alone_bytes`` or more alone). Sender and receiver compute the same from the same specs."""
     buckets: list[list[int]] = []
     open_: dict[torch.dtype, tuple[list[int], int]] = {}
     for position, spec in enumerate(specs):
         size = prod(spec.shape) * spec.dtype.itemsize
+        if size >= alone_bytes:
+            buckets.append([position])
+            continue
         positions, nbytes = open_.get(spec.dtype, ([], 0))
         if positions and nbytes + size > bucket_bytes:
             positions, nbytes = [], 0
@@ -366,10 +382,12 @@ def gather_owned_to_rank0(
     specs: Sequence[Sequence[TensorSpec]] | None,
     device: torch.device,
     bucket_bytes: int = BUCKET_BYTES,
+    alone_bytes: int = ALONE_BYTES,
 ) -> list[list[Tensor]] | None:
     """Every rank's own whole tensors (a sharded optimizer's state, held by the parameters' owners) to global rank 0.
 
-    Each rank packs its tensors of one dtype into buckets of up to ``bucket_bytes`` (a larger tensor alone) and sends
+    Each rank packs its tensors of one dtype into buckets of up to ``bucket_bytes`` (a tensor of ``alone_bytes`` or
+    more alone, without copies) and sends
     each bucket in one transfer; rank 0 receives the ranks' buckets one at a time and cuts them into CPU tensors
     (each in a storage of its own, recorded as fresh copies). Rank 0 holds at most one bucket beyond the result; the
     other ranks a packed copy of at most one bucket of their own tensors.
@@ -380,6 +398,7 @@ def gather_owned_to_rank0(
             own included), as gathered with ``gather_object``; ``None`` on the other ranks.
         device: The device transfers run on (the process group's: buffers are packed and received there).
         bucket_bytes: Bytes one transfer carries at most.
+        alone_bytes: Bytes of a tensor from which it travels alone.
 
     Returns:
         On rank 0 every rank's tensors on the CPU, in global rank order and each rank's order; ``None`` elsewhere.
@@ -387,7 +406,7 @@ def gather_owned_to_rank0(
     rank = dist.get_rank()
     if specs is None:
         own = [TensorSpec(tuple(tensor.shape), tensor.dtype) for tensor in owned]
-        for positions in _buckets_of(own, bucket_bytes):
+        for positions in _buckets_of(own, bucket_bytes, alone_bytes):
             tensors = [owned[position].detach() for position in positions]
             if len(tensors) == 1 and tensors[0].device == device:
                 packed = tensors[0].contiguous().view(-1)  # sent as it is, no copy
@@ -402,7 +421,7 @@ def gather_owned_to_rank0(
             gathered.append([mark_fresh_copy(tensor.detach().cpu().clone()) for tensor in owned])
             continue
         received_tensors: list[Tensor | None] = [None] * len(ranks_specs)
-        for positions in _buckets_of(ranks_specs, bucket_bytes):
+        for positions in _buckets_of(ranks_specs, bucket_bytes, alone_bytes):
             sizes = [prod(ranks_specs[position].shape) for position in positions]
             buffer = torch.empty(sum(sizes), dtype=ranks_specs[positions[0]].dtype, device=device)
             if buffer.numel() > 0:

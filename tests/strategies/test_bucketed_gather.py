@@ -81,13 +81,13 @@ def _count_into(function: Any, calls: list[int]) -> Any:
     return counted
 
 
-def _gather_many(bucket_bytes: int) -> dict[str, Any]:
+def _gather_many(bucket_bytes: int, alone_bytes: int) -> dict[str, Any]:
     dist.init_process_group("gloo")
     forget_fresh_copies()
     transfers: list[int] = []
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(gather, "gather_into", _count_into(gather.gather_into, transfers))
-        gathered = gather_many_to_rank0(_values(), bucket_bytes=bucket_bytes)
+        gathered = gather_many_to_rank0(_values(), bucket_bytes=bucket_bytes, alone_bytes=alone_bytes)
     fresh = [isinstance(value, torch.Tensor) and is_fresh_copy(value) for value in gathered]
     tensors = [value for value in gathered if isinstance(value, torch.Tensor) and value.numel() > 0]
     storages = {value.untyped_storage().data_ptr() for value in tensors}
@@ -101,16 +101,20 @@ def _gather_many(bucket_bytes: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize(("bucket_bytes", "transfers"), [(gather.BUCKET_BYTES, 3), (64, 5)])
+@pytest.mark.parametrize(
+    ("bucket_bytes", "alone_bytes", "transfers"),
+    [(gather.BUCKET_BYTES, gather.ALONE_BYTES, 3), (64, gather.ALONE_BYTES, 5), (gather.BUCKET_BYTES, 64, 5)],
+)
 def test_gather_many_gives_every_full_value_on_rank_0_only_one_transfer_per_bucket(
-    bucket_bytes: int, transfers: int
+    bucket_bytes: int, alone_bytes: int, transfers: int
 ) -> None:
-    first, second = run_as_ranks(lambda: _gather_many(bucket_bytes), world_size=WORLD_SIZE)
+    first, second = run_as_ranks(lambda: _gather_many(bucket_bytes, alone_bytes), world_size=WORLD_SIZE)
 
     assert first["values"] == [_plain(value) for value in _expected()]
     assert second["values"] == [None] * len(_expected())  # no other rank holds a full tensor
     # float32 (the empty tensor travels with the others), float64, bfloat16: one transfer each; with 64-byte buckets
-    # float32 takes three ((7, 3) alone, (1, 4) with (0, 3), (8, 2, 2) alone).
+    # float32 takes three ((7, 3) alone, (1, 4) with (0, 3), (8, 2, 2) alone); the same when tensors of 64 bytes or
+    # more travel alone.
     assert first["transfers"] == second["transfers"] == transfers
     fallback = [index for index, (_, _, placement) in enumerate(DTENSORS) if placement in (Shard(1), Replicate())]
     fallback = [index + (index >= 3) for index in fallback]  # the value that is not a tensor sits at position 3
@@ -129,7 +133,7 @@ def _owned(rank: int) -> list[torch.Tensor]:
     return [_whole(shape, dtype, 10 * rank + salt) for salt, (shape, dtype) in enumerate(OWNED[rank])]
 
 
-def _gather_owned(bucket_bytes: int) -> dict[str, Any]:
+def _gather_owned(bucket_bytes: int, alone_bytes: int) -> dict[str, Any]:
     dist.init_process_group("gloo")
     forget_fresh_copies()
     rank = dist.get_rank()
@@ -139,7 +143,7 @@ def _gather_owned(bucket_bytes: int) -> dict[str, Any]:
     sent: list[int] = []
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(dist, "send", _count_into(dist.send, sent))
-        gathered = gather_owned_to_rank0(owned, specs, torch.device("cpu"), bucket_bytes=bucket_bytes)
+        gathered = gather_owned_to_rank0(owned, specs, torch.device("cpu"), bucket_bytes, alone_bytes)
     dist.destroy_process_group()
     if gathered is None:
         return {"gathered": None, "sends": len(sent)}
@@ -150,15 +154,19 @@ def _gather_owned(bucket_bytes: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize(("bucket_bytes", "sends"), [(gather.BUCKET_BYTES, 2), (16, 4)])
+@pytest.mark.parametrize(
+    ("bucket_bytes", "alone_bytes", "sends"),
+    [(gather.BUCKET_BYTES, gather.ALONE_BYTES, 2), (16, gather.ALONE_BYTES, 4), (gather.BUCKET_BYTES, 16, 4)],
+)
 def test_gather_owned_gives_every_ranks_tensors_on_rank_0_in_order_one_send_per_bucket(
-    bucket_bytes: int, sends: int
+    bucket_bytes: int, alone_bytes: int, sends: int
 ) -> None:
-    first, second = run_as_ranks(lambda: _gather_owned(bucket_bytes), world_size=WORLD_SIZE)
+    first, second = run_as_ranks(lambda: _gather_owned(bucket_bytes, alone_bytes), world_size=WORLD_SIZE)
 
     assert first["gathered"] == [[_plain(tensor) for tensor in _owned(rank)] for rank in range(WORLD_SIZE)]
     assert first["fresh"]
     assert second["gathered"] is None
     # Rank 1's float32 tensors (the empty one among them) in one send, its float64 in another; with 16-byte buckets
-    # float32 takes three ((4,) alone, the scalar with the empty one, (9,) alone).
+    # float32 takes three ((4,) alone, the scalar with the empty one, (9,) alone); with tensors of 16 bytes or more
+    # alone: (4,), (2, 2), the scalar with the empty one, (9,).
     assert second["sends"] == sends
