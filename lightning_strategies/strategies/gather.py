@@ -25,7 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 #: Bytes of full tensors one transfer of :func:`gather_many_to_rank0` or :func:`gather_owned_to_rank0` carries at
 #: most (a larger tensor travels alone): rank 0 holds at most one such buffer beyond the gathered tensors.
-BUCKET_BYTES = 32 * 2**20
+BUCKET_BYTES = 8 * 2**20
 #: Tensors of at least this many bytes travel alone, straight into their own buffer: packing them with others would
 #: cost a copy on every rank and another on rank 0 (measured: more than the round trip it saves), while a small
 #: tensor's round trip costs far more than copying it.
