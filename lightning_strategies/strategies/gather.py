@@ -300,14 +300,13 @@ def gather_many_to_rank0(
     """The full values of many tensors on global rank 0 (on the CPU), ``None`` for each on the other ranks.
 
     DTensors sharded on dim 0 of a one-dimensional mesh (FSDP2's layout) travel in buckets: one bucket holds tensors of
-    one dtype, device and mesh, up to ``bucket_bytes`` of full tensors (a tensor of ``alone_bytes`` or more, or one
-    that fills a bucket, travels alone, without copies). Each rank packs its
-    padded shards of a bucket into one buffer, sent to rank 0 in one transfer, and rank 0 cuts the full tensors out
-    (a copy each, except for a bucket of one tensor, which is its own buffer): rank 0 holds at most one bucket beyond
-    the gathered tensors, and no other rank ever holds a full tensor. Other DTensor layouts (and 0-dim DTensors) fall
-    back to ``full_tensor()``, which every rank gathers. A plain tensor is the same on every rank: rank 0 returns a
-    copy. Values that are not tensors are returned as they are on rank 0. Gathered CPU tensors (not the fallback's)
-    are recorded as fresh copies (:func:`is_fresh_copy`).
+    one dtype, device and mesh, up to ``bucket_bytes`` of full tensors (a tensor of ``alone_bytes`` or more travels
+    alone, without copies). Each rank packs its padded shards of a bucket into one buffer, sent to rank 0 in one
+    transfer, and rank 0 cuts the full tensors out (a copy each, except for a bucket of one tensor, which is its own
+    buffer): rank 0 holds at most one bucket beyond the gathered tensors, and no other rank ever holds a full tensor.
+    Other DTensor layouts (and 0-dim DTensors) fall back to ``full_tensor()``, which every rank gathers. A plain tensor
+    is the same on every rank: rank 0 returns a copy. Values that are not tensors are returned as they are on rank 0.
+    Gathered CPU tensors (not the fallback's) are recorded as fresh copies (:func:`is_fresh_copy`).
 
     Args:
         values: Tensors, DTensors and other values, the same kinds, shapes and dtypes in the same order on every rank.
