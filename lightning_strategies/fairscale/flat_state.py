@@ -25,7 +25,7 @@ from lightning_strategies.fairscale.layout import (
     persistent_buffers,
 )
 
-from ..strategies.gather import gather_full
+from ..strategies.gather import gather_full, mark_fresh_copy
 
 
 def expected_model_state(root: Module, units: Sequence[FlatUnit], aliases: Mapping[str, str]) -> dict[str, Any]:
@@ -79,6 +79,11 @@ def local_model_state(
     return cut
 
 
+def _on_cpu(full: Tensor) -> Tensor:
+    """A gathered tensor on the CPU: itself there (recorded fresh by the gather), else a host copy, recorded too."""
+    return full if full.device.type == "cpu" else mark_fresh_copy(full.cpu())
+
+
 def gather_model_state(
     root: Module, units: Sequence[FlatUnit], aliases: Mapping[str, str], key_order: Sequence[str], is_global_zero: bool
 ) -> dict[str, Any]:
@@ -98,7 +103,7 @@ def gather_model_state(
     for unit in units:
         full = gather_full(unit.local_shard, unit.numel, unit.instance.process_group)
         if full is not None:
-            state.update(zip(unit.names, split_full(full.cpu(), unit.shapes, copy=False), strict=True))
+            state.update(zip(unit.names, split_full(_on_cpu(full), unit.shapes, copy=False), strict=True))
         del full  # on a GPU the gathered buffer goes before the next one is gathered (the parts are host copies)
     if not is_global_zero:
         return {}
@@ -120,7 +125,7 @@ def gather_optimizer_state(optimizer: Optimizer, layout: OptimizerLayout, is_glo
             if isinstance(value, Tensor) and value.dim() > 0:
                 full = gather_full(value, unit.numel, unit.instance.process_group)
                 # Views of the gathered buffer: the canonical state adds no second full copy.
-                parts = split_full(full.cpu(), unit.shapes, copy=False) if full is not None else []
+                parts = split_full(_on_cpu(full), unit.shapes, copy=False) if full is not None else []
                 del full  # as above: one gathered GPU buffer at a time, not two
             else:  # a scalar such as Adam's step: one independent copy per parameter (steps count in place)
                 parts = [value.detach().cpu().clone() if isinstance(value, Tensor) else value for _ in unit.names]

@@ -7,7 +7,7 @@ import weakref
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from fairscale.nn.data_parallel import ShardedDataParallel
@@ -33,6 +33,7 @@ from lightning_strategies.fairscale._private import (
 from .._lightning import CheckpointIO, ClusterEnvironment, Precision, pl
 from ..strategies.base import DirectReferenceStrategy, StartMethod
 from ..strategies.full_gradients import owners_gradients_on_every_rank
+from ..strategies.gather import TensorSpec, gather_owned_to_rank0
 from ..strategies.launcher import HandBack
 from ..strategies.optimizers import OptimizerNeed, refuse_unsupported_optimizers, retarget_schedulers, twin_optimizer
 
@@ -84,11 +85,9 @@ def _keep_gradient_views(optimizer: OSS) -> None:
     vars(optimizer)["zero_grad"] = zero_grad_in_place
 
 
-class _TensorDescription(NamedTuple):
-    """What rank 0 needs to receive one optimizer-state tensor."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+def _tensor_keys(entries: Mapping[str, Any]) -> list[str]:
+    """The keys of one parameter's described state whose values are tensors (sent apart from the descriptions)."""
+    return [key for key, value in entries.items() if isinstance(value, TensorSpec)]
 
 
 @torch.no_grad()
@@ -364,51 +363,38 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
     def _canonical_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not isinstance(optimizer, OSS):
             return super()._canonical_optimizer_state(optimizer)
-        # Each rank owns the whole state of some parameters. The owners send it to rank 0 one tensor at a time
-        # (OSS's own consolidation broadcasts every rank's pickled shard to every rank: N-fold copies), keyed by the
-        # parameter's index over all groups, which is the canonical layout.
+        # Each rank owns the whole state of some parameters. The owners send it to rank 0, many tensors of one dtype
+        # per transfer (OSS's own consolidation broadcasts every rank's pickled shard to every rank: N-fold copies),
+        # keyed by the parameter's index over all groups, which is the canonical layout.
         index_of = param_indices(optimizer)
         owned = {index_of[id(param)]: entries for param, entries in optimizer.optim.state.items()}
         described = {
             index: {
-                key: _TensorDescription(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else v
-                for key, v in entries.items()
+                key: TensorSpec(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else v for key, v in entries.items()
             }
             for index, entries in sorted(owned.items())
         }
         descriptions: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
         torch.distributed.gather_object(described, descriptions, dst=0)
-        state: dict[int, dict[str, Any]] = {}
-        # Rank 0 walks every rank's entries in order; each other rank walks its own, in the same order, and sends.
-        sources = enumerate(descriptions) if descriptions is not None else [(self.global_rank, described)]
-        for rank, ranks_entries in sources:
-            for index, entries in ranks_entries.items():
-                for key, description in entries.items():
-                    value = self._send_to_rank_zero(owned, index, key, description, rank)
-                    if self.is_global_zero:
-                        state.setdefault(index, {})[key] = value
-        if not self.is_global_zero:
+        # The tensors travel in the order the descriptions list them; other values travelled in the descriptions.
+        tensors = [owned[index][key] for index, entries in described.items() for key in _tensor_keys(entries)]
+        specs = (
+            [[entries[key] for entries in ranks.values() for key in _tensor_keys(entries)] for ranks in descriptions]
+            if descriptions is not None
+            else None
+        )
+        gathered = gather_owned_to_rank0(tensors, specs, self.root_device)
+        if descriptions is None or gathered is None:
             return {}
+        state: dict[int, dict[str, Any]] = {}
+        for ranks_entries, ranks_tensors in zip(descriptions, gathered, strict=True):
+            received = iter(ranks_tensors)
+            for index, entries in ranks_entries.items():
+                state[index] = {
+                    key: next(received) if isinstance(value, TensorSpec) else value for key, value in entries.items()
+                }
         groups = torch.optim.Optimizer.state_dict(optimizer)["param_groups"]  # torch's packing, numbering and all
         return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-    def _send_to_rank_zero(
-        self, owned: Mapping[int, Mapping[str, Any]], index: int, key: str, description: Any, owner: int
-    ) -> Any:
-        """One entry of the optimizer state, from the rank that owns it to rank 0 (which returns it)."""
-        if not isinstance(description, _TensorDescription):
-            return description  # not a tensor: the value itself travelled in the description
-        if owner == self.global_rank:
-            tensor: Tensor = owned[index][key].detach()
-            if self.is_global_zero:
-                return tensor.cpu().clone()
-            torch.distributed.send(tensor.contiguous(), dst=0)
-            return None
-        if not self.is_global_zero:
-            return None
-        received = torch.empty(description.shape, dtype=description.dtype, device=self.root_device)
-        torch.distributed.recv(received, src=owner)
-        return received.cpu()
 
     @override
     def _load_canonical_optimizer_state(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:

@@ -46,6 +46,7 @@ from lightning_strategies.checkpoint.sharded import (
 
 from .._lightning import _PATH, _distributed_is_initialized, trainer_of
 from .agreement import agree_on_sharded_save, require_same_save_path
+from .gather import is_fresh_copy
 
 if TYPE_CHECKING:
     from .base import DirectReferenceStrategy
@@ -68,7 +69,9 @@ def write_in_background(write: Callable[[], None]) -> None:
 
 def staged_copy(value: Any) -> Any:
     """``value`` with every tensor copied to the CPU and every container rebuilt: what a background write may read
-    while training goes on (the live tensors change at the next step). Other values are shared (plain values)."""
+    while training goes on (the live tensors change at the next step). Other values are shared (plain values), and so
+    are CPU tensors a gather of this save allocated (:func:`~.gather.is_fresh_copy`: views of them too), which nothing
+    else holds or changes: a second copy would only double the checkpoint in memory and block the step longer."""
     if isinstance(value, DTensor):  # a DTensor whose local shard is a CPU copy
         if value.device.type != "cpu":
             return value.detach().to("cpu")
@@ -81,6 +84,8 @@ def staged_copy(value: Any) -> Any:
             stride=value.stride(),
         )
     if isinstance(value, Tensor):
+        if is_fresh_copy(value):
+            return value.detach()  # the same storage
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
         rebuilt = copy.copy(value)  # keeps the mapping's type (OrderedDict, Lightning's AttributeDict, ...)
@@ -98,12 +103,12 @@ def staged_copy(value: Any) -> Any:
 
 
 def staged_bytes(value: Any) -> int:
-    """Bytes of the tensors of a staging copy (a DTensor counts its local shard)."""
+    """Bytes of the tensors a staging copy copied (a DTensor counts its local shard; a shared fresh copy nothing)."""
     if isinstance(value, DTensor):
         local = value.to_local()
         return local.numel() * local.element_size()
     if isinstance(value, Tensor):
-        return value.numel() * value.element_size()
+        return 0 if is_fresh_copy(value) else value.numel() * value.element_size()
     if isinstance(value, Mapping):
         return sum(staged_bytes(item) for item in value.values())
     if isinstance(value, list | tuple):

@@ -61,6 +61,7 @@ from .._lightning import (
 )
 from .agreement import agree_on_sharded_save, refuse_unless_every_rank_fits, require_same_save_path
 from .atomic_io import finish_background_writes, read_full_checkpoint, synchronous_checkpoint_io
+from .gather import forget_fresh_copies
 from .launcher import CanonicalStateLauncher
 from .sharded_format import ShardedFormat
 
@@ -96,6 +97,7 @@ class CheckpointFlow(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model state a checkpoint holds: by default :meth:`full_model_state`."""
         self.require_save_possible()  # the first thing a save asks for: before any of its collectives
+        forget_fresh_copies()  # a save starts: only its own gathers' copies may be shared with its background write
         if self._saves_sharded:  # every rank keeps its own part: no gather
             return self._require_sharded_format().model_state()
         return self.full_model_state()
@@ -176,6 +178,12 @@ class CheckpointFlow(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        try:
+            self._write_checkpoint(checkpoint, filepath, storage_options)
+        finally:
+            forget_fresh_copies()  # the save's gathered tensors are the checkpoint's now, none counts for the next
+
+    def _write_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None) -> None:
         if self._async_saves.save(checkpoint, filepath, storage_options):
             return  # its files are written in the background; committed when the ranks next meet
         if self._saves_sharded:

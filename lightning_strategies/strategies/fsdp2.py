@@ -40,7 +40,7 @@ from .dtensor_state import load_into_module, local_parts
 from .fsdp2_sharding import is_sharded, on_device, shard_kwargs, shard_module, step_bypassed_the_module
 from .fsdp2_shards import DcpShards
 from .full_gradients import full_dtensor_gradients
-from .gather import gather_to_rank0
+from .gather import gather_many_to_rank0
 from .launcher import HandBack
 from .meta_init import (
     has_meta_tensors,
@@ -339,14 +339,11 @@ class FSDP2Strategy(DirectReferenceStrategy):
 
     @override
     def _canonical_model_state(self) -> dict[str, Any]:
-        # The module's own state_dict holds DTensor shards under canonical keys (fully_shard adds no prefix); each is
-        # gathered to rank 0 only, one tensor at a time (torch's full state-dict API all-gathers on every rank).
-        state: dict[str, Any] = {}
-        for key, value in self.require_lightning_module().state_dict().items():
-            full = gather_to_rank0(value) if isinstance(value, Tensor) else value
-            if self.is_global_zero:
-                state[key] = full
-        return state
+        # The module's own state_dict holds DTensor shards under canonical keys (fully_shard adds no prefix); they are
+        # gathered to rank 0 only, many per transfer (torch's full state-dict API all-gathers on every rank).
+        own = self.require_lightning_module().state_dict()
+        gathered = gather_many_to_rank0(list(own.values()))
+        return dict(zip(own, gathered, strict=True)) if self.is_global_zero else {}
 
     def _expected_model_state(self) -> dict[str, Any]:
         """Canonical keys with meta tensors of the global shapes (a DTensor's shape is the global one); entries that
@@ -380,17 +377,15 @@ class FSDP2Strategy(DirectReferenceStrategy):
     @override
     def _canonical_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         # The optimizer's own state_dict is already in the canonical layout (parameters numbered through the groups,
-        # hyperparameters as given); only its DTensor entries are shards, gathered to rank 0 one at a time.
+        # hyperparameters as given); only its DTensor entries are shards, gathered to rank 0 many per transfer.
         own = optimizer.state_dict()
-        state: dict[int, dict[str, Any]] = {}
-        for index, entries in own["state"].items():
-            gathered = {
-                key: gather_to_rank0(value) if isinstance(value, Tensor) else value for key, value in entries.items()
-            }
-            if self.is_global_zero:
-                state[index] = gathered
+        entries = [(index, key, value) for index, values in own["state"].items() for key, value in values.items()]
+        gathered = gather_many_to_rank0([value for _, _, value in entries])
         if not self.is_global_zero:
             return {}
+        state: dict[int, dict[str, Any]] = {index: {} for index in own["state"]}
+        for (index, key, _), full in zip(entries, gathered, strict=True):
+            state[index][key] = full
         return {"state": state, "param_groups": own["param_groups"]}
 
     @override

@@ -23,6 +23,8 @@ from torch.nn import Module, Parameter
 
 from lightning_strategies.checkpoint.flat import local_shard, split_full
 
+from .gather import all_gather_flat
+
 
 @contextmanager
 def owners_gradients_on_every_rank(
@@ -90,13 +92,6 @@ def full_dtensor_gradients(params: Iterable[Tensor]) -> Generator[None, None, No
             param.grad = sharded if current is not None else None
 
 
-def _all_gather_flat(shard: Tensor, numel: int, group: Any) -> Tensor:
-    world_size = dist.get_world_size(group)
-    full = torch.empty(world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
-    dist.all_gather(list(full.chunk(world_size)), shard.contiguous(), group=group)
-    return full[:numel]
-
-
 class FairScaleUnitView:
     """What :func:`full_fairscale_parameters` needs of one fairscale unit (a flat or sharded parameter).
 
@@ -157,8 +152,8 @@ def full_fairscale_parameters(units: Sequence[FairScaleUnitView]) -> Generator[N
             sharded_grad = unit.param.grad
             if sharded_grad is None:
                 continue
-            full_values = _all_gather_flat(unit.param.data, unit.numel, unit.group)
-            full_grads = _all_gather_flat(sharded_grad, unit.numel, unit.group)
+            full_values = all_gather_flat(unit.param.data, unit.numel, unit.group)
+            full_grads = all_gather_flat(sharded_grad, unit.numel, unit.group)
             if not unit.flat:
                 hidden.append((unit.param, sharded_grad))
                 original_data = unit.param.data

@@ -1,17 +1,93 @@
-"""Gathers of sharded tensors to global rank 0 only (collectives), for the strategies' canonical state.
+"""Every gather of tensors across ranks that the strategies run (collectives), in one place.
 
-The wrappers' own APIs give every rank a full copy; these send every shard to rank 0 only, so no other rank ever
-holds a full tensor. Cutting full tensors back into shards needs no communication and lives in
-:mod:`lightning_strategies.checkpoint.flat`.
+- To global rank 0 only, for the canonical state of full checkpoints: :func:`gather_full` (one flat shard per rank),
+  :func:`gather_many_to_rank0` (DTensors, many per transfer), :func:`gather_owned_to_rank0` (each rank's whole tensors,
+  many per transfer). No other rank ever holds a full tensor.
+- To every rank, for hooks that read complete values: :func:`all_gather_flat`.
+
+Tensors gathered for a checkpoint are private CPU copies that nothing else holds or changes. The gathers record them
+(:func:`is_fresh_copy`), so that an asynchronous save shares them with its background write instead of copying
+them again; a save forgets them when it ends (:func:`forget_fresh_copies`). Cutting full tensors back into shards
+needs no communication and lives in :mod:`lightning_strategies.checkpoint.flat`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from math import prod
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+
+#: Bytes of full tensors one transfer of :func:`gather_many_to_rank0` or :func:`gather_owned_to_rank0` carries at
+#: most (a larger tensor travels alone): rank 0 holds at most one such buffer beyond the gathered tensors.
+BUCKET_BYTES = 8 * 2**20
+#: Tensors of at least this many bytes travel alone, straight into their own buffer: packing them with others would
+#: cost a copy on every rank and another on rank 0 (measured: more than the round trip it saves), while a small
+#: tensor's round trip costs far more than copying it.
+ALONE_BYTES = 2**20
+
+# ---------------------------------------------------------------------------------------------- fresh copies
+
+# Weak references (keyed by the storage's address) to the storages of CPU tensors a gather allocated for a checkpoint.
+# Weak: a storage nothing else holds is freed as usual; an expired one no longer counts.
+_fresh_copies: dict[int, StorageWeakRef] = {}
+
+
+def _weak_reference(tensor: Tensor) -> StorageWeakRef:
+    """A weak reference to ``tensor``'s storage (its ``cdata`` names the storage while the reference lives)."""
+    return StorageWeakRef(tensor.untyped_storage())  # type: ignore[no-untyped-call]  # untyped in torch
+
+
+def mark_fresh_copy(tensor: Tensor) -> Tensor:
+    """Records that ``tensor``'s storage is a private CPU copy a gather allocated (see :func:`is_fresh_copy`).
+
+    Args:
+        tensor: A CPU tensor that only the checkpoint being built holds. Other devices are not recorded.
+
+    Returns:
+        ``tensor`` itself.
+    """
+    if tensor.device.type == "cpu":
+        reference = _weak_reference(tensor)
+        _fresh_copies[reference.cdata] = reference
+    return tensor
+
+
+def is_fresh_copy(tensor: Tensor) -> bool:
+    """Whether ``tensor`` (or the tensor it is a view of) is a CPU copy a gather of this save allocated.
+
+    Such a tensor is not read or changed by training, so a background write may share it instead of copying it.
+
+    Args:
+        tensor: Any tensor.
+
+    Returns:
+        ``True`` only for a plain CPU tensor whose storage a gather recorded and which is still alive.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor) or tensor.device.type != "cpu" or not _fresh_copies:
+        return False
+    recorded = _fresh_copies.get(_weak_reference(tensor).cdata)
+    return recorded is not None and not recorded.expired()  # type: ignore[no-untyped-call]  # untyped in torch
+
+
+def forget_fresh_copies() -> None:
+    """Forgets every recorded copy: called where a save starts and where it ends, so none counts for the next."""
+    _fresh_copies.clear()
+
+
+def fresh_copy_count() -> int:
+    """How many storages are recorded as fresh copies (for tests: ``0`` once a save has ended)."""
+    return len(_fresh_copies)
+
+
+# ---------------------------------------------------------------------------------------------- one flat shard
 
 
 def gather_full(shard: Tensor, numel: int, group: Any = None) -> Tensor | None:
@@ -23,7 +99,8 @@ def gather_full(shard: Tensor, numel: int, group: Any = None) -> Tensor | None:
         group: The process group the tensor is sharded over (default: the world).
 
     Returns:
-        The full flat tensor (on the shard's device) on the group's first rank, ``None`` on the others.
+        The full flat tensor (on the shard's device; on the CPU recorded as a fresh copy) on the group's first rank,
+        ``None`` on the others.
     """
     world_size = dist.get_world_size(group)
     destination = dist.get_global_rank(group, 0) if group is not None else 0
@@ -34,7 +111,7 @@ def gather_full(shard: Tensor, numel: int, group: Any = None) -> Tensor | None:
     # The chunks are views of one buffer: the full tensor exists once, not once as chunks and again concatenated.
     full = torch.empty(world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
     gather_into(shard.contiguous(), list(full.chunk(world_size)), destination, group)
-    return full[:numel]
+    return mark_fresh_copy(full[:numel])
 
 
 def gather_into(shard: Tensor, chunks: list[Tensor] | None, destination: int, group: Any = None) -> None:
@@ -61,7 +138,8 @@ def gather_into(shard: Tensor, chunks: list[Tensor] | None, destination: int, gr
     pending = []
     for source, chunk in enumerate(chunks):
         if source == own:
-            chunk.copy_(shard)
+            if chunk.data_ptr() != shard.data_ptr():  # packed in place already: nothing to copy
+                chunk.copy_(shard)
         else:
             pending.append(dist.irecv(chunk, group=group, group_src=source))
     for work in pending:
@@ -69,12 +147,222 @@ def gather_into(shard: Tensor, chunks: list[Tensor] | None, destination: int, gr
             work.wait()
 
 
-def gather_to_rank0(value: Tensor) -> Tensor | None:
-    """The full value of a tensor on global rank 0 (on the CPU), ``None`` on the other ranks.
+def all_gather_flat(shard: Tensor, numel: int, group: Any = None) -> Tensor:
+    """Gathers equal-sized flat shards on every rank of the group (an all-gather) and returns the unpadded tensor.
 
-    A DTensor sharded on dim 0 of a one-dimensional mesh (FSDP2's layout) is gathered to rank 0 only, one padded
-    chunk per rank, so no other rank ever holds the full tensor. Other DTensor layouts fall back to
-    ``full_tensor()`` (every rank gathers). A plain tensor is the same on every rank: rank 0 returns a copy.
+    The result is lent to training (for hooks that read complete values), so it is not a fresh copy.
+
+    Args:
+        shard: This rank's 1-D chunk (all ranks' chunks have the same size).
+        numel: Elements of the unpadded full tensor.
+        group: The process group the tensor is sharded over (default: the world).
+
+    Returns:
+        The full flat tensor, on the shard's device, on every rank.
+    """
+    world_size = dist.get_world_size(group)
+    full = torch.empty(world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
+    dist.all_gather(list(full.chunk(world_size)), shard.contiguous(), group=group)
+    return full[:numel]
+
+
+# ---------------------------------------------------------------------------------------------- DTensors, in buckets
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _plain_copy(value: Tensor) -> Tensor | None:
+    """A plain tensor is the same on every rank: rank 0 returns a fresh CPU copy, the others ``None``."""
+    return mark_fresh_copy(value.detach().cpu().clone()) if _is_rank0() else None
+
+
+def _gathers_in_buckets(value: Any) -> bool:
+    """Whether a DTensor has FSDP2's layout (dim 0 sharded over a one-dimensional mesh), which buckets carry."""
+    from torch.distributed.tensor import Shard
+
+    return value.device_mesh.ndim == 1 and tuple(value.placements) == (Shard(0),) and value.ndim > 0
+
+
+def _full_tensor_on_rank0(value: Any) -> Tensor | None:
+    """Another layout: ``full_tensor()`` on every rank (it may return a rank's own data: not recorded as fresh)."""
+    full = value.full_tensor()
+    return full.cpu() if _is_rank0() else None
+
+
+@dataclass
+class _Bucket:
+    """DTensors of one dtype, device and mesh whose padded shards travel in one transfer."""
+
+    group: Any
+    world_size: int
+    positions: list[int] = field(default_factory=list)
+    values: list[Any] = field(default_factory=list)
+    nbytes: int = 0  # of the padded full tensors
+
+    @staticmethod
+    def rows(value: Any, world_size: int) -> int:
+        """Rows of each rank's padded shard: torch.chunk's chunk size (the first ranks hold that many rows each)."""
+        return -(-int(value.shape[0]) // world_size)
+
+    def piece(self, value: Any) -> int:
+        """Elements of one rank's padded shard of ``value``."""
+        return self.rows(value, self.world_size) * int(prod(value.shape[1:]))
+
+    def add(self, position: int, value: Any) -> None:
+        self.positions.append(position)
+        self.values.append(value)
+        self.nbytes += self.piece(value) * self.world_size * value.element_size()
+
+
+class _Scratch:
+    """One buffer per device that every bucket of one gather packs into (and rank 0 receives into), grown as needed:
+    a new buffer per bucket would leave the allocator's heap fragmented (measured: 10 MB more at the peak of a save)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, Tensor] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A 1-D tensor of ``numel`` elements of ``dtype`` in the buffer (valid until the next ``take``)."""
+        nbytes = numel * dtype.itemsize
+        buffer = self._buffers.get(device)
+        if buffer is None or buffer.numel() < nbytes:
+            self._buffers.pop(device, None)  # the smaller buffer goes before the larger one is allocated
+            buffer = self._buffers[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buffer[:nbytes].view(dtype)
+
+
+def _packed_shards(bucket: _Bucket, into: Tensor | None, scratch: _Scratch) -> Tensor:
+    """This rank's shards of the bucket's DTensors, each padded to its chunk size, one after another: in ``into``
+    when given, else in ``scratch`` (or, for one unpadded shard, the shard itself)."""
+    locals_: list[Tensor] = [value.to_local() for value in bucket.values]
+    pieces = [bucket.piece(value) for value in bucket.values]
+    if into is not None:
+        packed = into
+    elif len(locals_) == 1 and locals_[0].shape[0] == bucket.rows(bucket.values[0], bucket.world_size):
+        return locals_[0].detach().contiguous().view(-1)  # one unpadded shard: sent as it is, no copy
+    else:
+        packed = scratch.take(sum(pieces), locals_[0].dtype, locals_[0].device)
+    offset = 0
+    for value, local, size in zip(bucket.values, locals_, pieces, strict=True):
+        rows = bucket.rows(value, bucket.world_size)
+        part = packed[offset : offset + size].view(rows, *value.shape[1:])
+        part[: local.shape[0]].copy_(local.detach())
+        part[local.shape[0] :].zero_()
+        offset += size
+    return packed
+
+
+def _gather_bucket(bucket: _Bucket, scratch: _Scratch) -> list[Tensor] | None:
+    """One transfer: every rank's packed shards to the group's first rank, which cuts out the full tensors (on the
+    CPU, each in a storage of its own, recorded as fresh copies); ``None`` on the other ranks."""
+    world_size = bucket.world_size
+    destination = dist.get_global_rank(bucket.group, 0)
+    if dist.get_rank() != destination:
+        packed = _packed_shards(bucket, None, scratch)
+        if packed.numel() > 0:
+            gather_into(packed, None, destination, bucket.group)
+        return None
+    first = bucket.values[0].to_local()
+    size = sum(bucket.piece(value) for value in bucket.values)
+    if len(bucket.values) == 1:  # received into a buffer of its own, which becomes the result
+        received = torch.empty(world_size * size, dtype=first.dtype, device=first.device)
+    else:  # received into the scratch buffer, cut out below
+        received = scratch.take(world_size * size, first.dtype, first.device)
+    chunks = [received[rank * size : (rank + 1) * size] for rank in range(world_size)]
+    own = chunks[dist.get_rank(bucket.group)]
+    packed = _packed_shards(bucket, own, scratch)  # this rank's part straight into its chunk
+    if size > 0:
+        gather_into(packed, chunks, destination, bucket.group)
+    if len(bucket.values) == 1:  # the received buffer is the padded full tensor: no copy on the CPU
+        value = bucket.values[0]
+        full = received.view(world_size * bucket.rows(value, world_size), *value.shape[1:])[: value.shape[0]]
+        return [mark_fresh_copy(full if full.device.type == "cpu" else full.cpu())]
+    fulls: list[Tensor] = []
+    offset = 0
+    for value in bucket.values:
+        rows, row_shape = bucket.rows(value, world_size), tuple(value.shape[1:])
+        full = torch.empty(value.shape, dtype=value.dtype, device="cpu")
+        for rank, chunk in enumerate(chunks):
+            held = max(0, min(rows, int(value.shape[0]) - rank * rows))  # torch.chunk: the last ranks hold fewer
+            if held:
+                part = chunk[offset : offset + held * prod(row_shape)].view(held, *row_shape)
+                full[rank * rows : rank * rows + held].copy_(part)
+        fulls.append(mark_fresh_copy(full))
+        offset += bucket.piece(value)
+    return fulls
+
+
+def gather_many_to_rank0(
+    values: Sequence[Any], bucket_bytes: int = BUCKET_BYTES, alone_bytes: int = ALONE_BYTES
+) -> list[Any]:
+    """The full values of many tensors on global rank 0 (on the CPU), ``None`` for each on the other ranks.
+
+    DTensors sharded on dim 0 of a one-dimensional mesh (FSDP2's layout) travel in buckets: one bucket holds tensors of
+    one dtype, device and mesh, up to ``bucket_bytes`` of full tensors (a tensor of ``alone_bytes`` or more travels
+    alone, without copies). Each rank packs its padded shards of a bucket into one buffer, sent to rank 0 in one
+    transfer, and rank 0 cuts the full tensors out (a copy each, except for a bucket of one tensor, which is its own
+    buffer): rank 0 holds at most one bucket beyond the gathered tensors, and no other rank ever holds a full tensor.
+    Other DTensor layouts (and 0-dim DTensors) fall back to ``full_tensor()``, which every rank gathers. A plain tensor
+    is the same on every rank: rank 0 returns a copy. Values that are not tensors are returned as they are on rank 0.
+    Gathered CPU tensors (not the fallback's) are recorded as fresh copies (:func:`is_fresh_copy`).
+
+    Args:
+        values: Tensors, DTensors and other values, the same kinds, shapes and dtypes in the same order on every rank.
+            Every rank must call this with them.
+        bucket_bytes: Bytes of full tensors one transfer carries at most.
+        alone_bytes: Bytes of a full tensor from which it travels alone.
+
+    Returns:
+        On rank 0 the full values, in the order given; on the other ranks ``None`` for each.
+    """
+    from torch.distributed.tensor import DTensor
+
+    results: list[Any] = [None] * len(values)
+    open_buckets: dict[tuple[Any, ...], _Bucket] = {}
+    scratch = _Scratch()
+
+    def flush(bucket: _Bucket) -> None:
+        fulls = _gather_bucket(bucket, scratch)
+        if fulls is not None:
+            for position, full in zip(bucket.positions, fulls, strict=True):
+                results[position] = full
+
+    for position, value in enumerate(values):
+        if not isinstance(value, Tensor):
+            results[position] = value if _is_rank0() else None
+        elif not isinstance(value, DTensor):
+            results[position] = _plain_copy(value)
+        elif not _gathers_in_buckets(value):
+            results[position] = _full_tensor_on_rank0(value)
+        else:
+            group = value.device_mesh.get_group()
+            # The same keys on every rank: the dtypes, devices and meshes of the values are the same everywhere.
+            key = (value.dtype, value.to_local().device, id(group))
+            bucket = open_buckets.get(key)
+            if bucket is None:
+                bucket = open_buckets[key] = _Bucket(group, value.device_mesh.size())
+            size = bucket.piece(value) * bucket.world_size * value.element_size()
+            if size >= alone_bytes:
+                alone = _Bucket(group, bucket.world_size)
+                alone.add(position, value)
+                flush(alone)
+                continue
+            if bucket.positions and bucket.nbytes + size > bucket_bytes:
+                flush(bucket)
+                bucket = open_buckets[key] = _Bucket(group, bucket.world_size)
+            bucket.add(position, value)
+    for bucket in open_buckets.values():
+        if bucket.positions:
+            flush(bucket)
+    return results
+
+
+def gather_to_rank0(value: Tensor) -> Tensor | None:
+    """The full value of one tensor on global rank 0 (on the CPU), ``None`` on the other ranks.
+
+    :func:`gather_many_to_rank0` of one value; gather many at once where there are many (one transfer per bucket).
 
     Args:
         value: A plain tensor or a DTensor. Every rank must call this for every DTensor, in the same order.
@@ -82,28 +370,104 @@ def gather_to_rank0(value: Tensor) -> Tensor | None:
     Returns:
         The full tensor on rank 0, ``None`` elsewhere.
     """
-    from torch.distributed.tensor import DTensor, Shard
+    gathered: Tensor | None = gather_many_to_rank0([value])[0]
+    return gathered
 
-    is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if not isinstance(value, DTensor):
-        return value.detach().cpu().clone() if is_rank0 else None
-    mesh = value.device_mesh
-    if mesh.ndim != 1 or tuple(value.placements) != (Shard(0),) or value.ndim == 0:
-        full = value.full_tensor()
-        return full.cpu() if is_rank0 else None
-    group = mesh.get_group()
-    world_size = mesh.size()
-    local = value.to_local()
-    rows = -(-value.shape[0] // world_size)  # torch.chunk's chunk size: the first ranks hold `rows` rows each
-    if local.shape[0] == rows:
-        padded = local.contiguous()
-    else:
-        padded = local.new_zeros((rows, *value.shape[1:]))
-        padded[: local.shape[0]].copy_(local)
-    destination = dist.get_global_rank(group, 0)
-    if dist.get_rank() != destination:
-        gather_into(padded, None, destination, group)
+
+# ---------------------------------------------------------------------------------------------- owners' whole tensors
+
+
+class TensorSpec(NamedTuple):
+    """What rank 0 needs to receive one whole tensor: its shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _buckets_of(specs: Sequence[TensorSpec], bucket_bytes: int, alone_bytes: int) -> list[list[int]]:
+    """Positions of ``specs`` grouped into transfers: one dtype each, in order, up to ``bucket_bytes`` (a tensor of
+    ``alone_bytes`` or more alone). Sender and receiver compute the same from the same specs."""
+    buckets: list[list[int]] = []
+    open_: dict[torch.dtype, tuple[list[int], int]] = {}
+    for position, spec in enumerate(specs):
+        size = prod(spec.shape) * spec.dtype.itemsize
+        if size >= alone_bytes:
+            buckets.append([position])
+            continue
+        positions, nbytes = open_.get(spec.dtype, ([], 0))
+        if positions and nbytes + size > bucket_bytes:
+            positions, nbytes = [], 0
+        if not positions:
+            buckets.append(positions)
+        positions.append(position)
+        open_[spec.dtype] = (positions, nbytes + size)
+    return buckets
+
+
+def gather_owned_to_rank0(
+    owned: Sequence[Tensor],
+    specs: Sequence[Sequence[TensorSpec]] | None,
+    device: torch.device,
+    bucket_bytes: int = BUCKET_BYTES,
+    alone_bytes: int = ALONE_BYTES,
+) -> list[list[Tensor]] | None:
+    """Every rank's own whole tensors (a sharded optimizer's state, held by the parameters' owners) to global rank 0.
+
+    Each rank packs its tensors of one dtype into buckets of up to ``bucket_bytes`` (a tensor of ``alone_bytes`` or
+    more alone, without copies) and sends
+    each bucket in one transfer; rank 0 receives the ranks' buckets one at a time and cuts them into CPU tensors
+    (each in a storage of its own, recorded as fresh copies). Rank 0 holds at most one bucket beyond the result; the
+    other ranks a packed copy of at most one bucket of their own tensors.
+
+    Args:
+        owned: This rank's tensors, in an order rank 0 knows from ``specs``.
+        specs: On rank 0, the shape and dtype of every rank's ``owned`` tensors, in global rank order (rank 0's
+            own included), as gathered with ``gather_object``; ``None`` on the other ranks.
+        device: The device transfers run on (the process group's: buffers are packed and received there).
+        bucket_bytes: Bytes one transfer carries at most.
+        alone_bytes: Bytes of a tensor from which it travels alone.
+
+    Returns:
+        On rank 0 every rank's tensors on the CPU, in global rank order and each rank's order; ``None`` elsewhere.
+    """
+    rank = dist.get_rank()
+    scratch = _Scratch()
+    if specs is None:
+        own = [TensorSpec(tuple(tensor.shape), tensor.dtype) for tensor in owned]
+        for positions in _buckets_of(own, bucket_bytes, alone_bytes):
+            tensors = [owned[position].detach() for position in positions]
+            if len(tensors) == 1 and tensors[0].device == device:
+                packed = tensors[0].contiguous().view(-1)  # sent as it is, no copy
+            else:
+                packed = scratch.take(sum(tensor.numel() for tensor in tensors), tensors[0].dtype, device)
+                offset = 0
+                for tensor in tensors:
+                    packed[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
+                    offset += tensor.numel()
+            if packed.numel() > 0:
+                dist.send(packed, dst=0)
         return None
-    full = torch.empty((rows * world_size, *value.shape[1:]), dtype=local.dtype, device=local.device)
-    gather_into(padded, list(full.chunk(world_size)), destination, group)
-    return full[: value.shape[0]].cpu()
+    gathered: list[list[Tensor]] = []
+    for source, ranks_specs in enumerate(specs):
+        if source == rank:
+            gathered.append([mark_fresh_copy(tensor.detach().cpu().clone()) for tensor in owned])
+            continue
+        received_tensors: list[Tensor | None] = [None] * len(ranks_specs)
+        for positions in _buckets_of(ranks_specs, bucket_bytes, alone_bytes):
+            sizes = [prod(ranks_specs[position].shape) for position in positions]
+            dtype = ranks_specs[positions[0]].dtype
+            if len(positions) == 1:  # received into a buffer of its own, which becomes the result on the CPU
+                buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
+            else:  # received into the scratch buffer, cut out below
+                buffer = scratch.take(sum(sizes), dtype, device)
+            if buffer.numel() > 0:
+                dist.recv(buffer, src=source)
+            if len(positions) == 1 and buffer.device.type == "cpu":  # the buffer is the tensor: no copy
+                parts = [buffer]
+            else:
+                parts = [part.to("cpu", copy=True) for part in torch.split(buffer, sizes)]
+            del buffer
+            for position, part in zip(positions, parts, strict=True):
+                received_tensors[position] = mark_fresh_copy(part.view(ranks_specs[position].shape))
+        gathered.append([tensor for tensor in received_tensors if tensor is not None])
+    return gathered

@@ -16,14 +16,17 @@ from typing import Any, Literal
 
 import pytest
 import pytorch_lightning as pl
+import torch
 import torch.distributed as dist
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from lightning_strategies import AsyncSaveError
 from lightning_strategies.checkpoint.sharded import open_sharded, sharded_directory
 from lightning_strategies.strategies import async_saves
+from lightning_strategies.strategies.async_saves import staged_bytes, staged_copy
 from lightning_strategies.strategies.atomic_io import AtomicTorchCheckpointIO
 from lightning_strategies.strategies.base import DirectReferenceStrategy
+from lightning_strategies.strategies.gather import forget_fresh_copies, fresh_copy_count, is_fresh_copy, mark_fresh_copy
 from lightning_strategies.testing import SaveAfterRestore
 from tests.conftest import free_loopback_port, write_json
 from tests.support.helpers import (
@@ -397,3 +400,82 @@ def test_teardown_waits_for_the_pending_save_and_commits_it(
     assert_complete(path)  # teardown waited for it and committed it
     assert canonical_checkpoint(path)["global_step"] == 2
     assert not leftovers(directory)
+
+
+def test_the_staging_copy_shares_fresh_gathered_tensors_and_copies_everything_else() -> None:
+    forget_fresh_copies()
+    try:
+        fresh = mark_fresh_copy(torch.arange(12.0))
+        live = torch.nn.Linear(3, 2).weight
+        staged = staged_copy({"fresh": fresh, "view": fresh[4:8].view(2, 2), "live": live, "user": torch.ones(3)})
+
+        assert staged["fresh"].untyped_storage().data_ptr() == fresh.untyped_storage().data_ptr()  # shared
+        assert staged["view"].untyped_storage().data_ptr() == fresh.untyped_storage().data_ptr()  # a view counts
+        assert torch.equal(staged["view"], fresh[4:8].view(2, 2))
+        assert staged["live"].untyped_storage().data_ptr() != live.untyped_storage().data_ptr()  # copied
+        assert staged["user"].untyped_storage().data_ptr() != 0 and not is_fresh_copy(staged["user"])
+        assert staged_bytes(staged) == (live.numel() + 3) * 4  # only the copies count
+    finally:
+        forget_fresh_copies()
+    assert fresh_copy_count() == 0
+    assert not is_fresh_copy(fresh)  # forgotten: a later save copies it
+
+
+def test_a_freed_fresh_copy_no_longer_counts() -> None:
+    forget_fresh_copies()
+    fresh = mark_fresh_copy(torch.ones(1000))
+    del fresh  # freed: its memory may hold another tensor now
+    other = torch.ones(1000)
+    assert not is_fresh_copy(other)
+    forget_fresh_copies()
+
+
+class FreshCopiesAtTrainEnd(pl.Callback):
+    """Records per rank, when training ends, how many fresh copies are recorded and the last save's staged bytes."""
+
+    def __init__(self, record: Path) -> None:
+        self.record = record
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, DirectReferenceStrategy)
+        write_json(
+            self.record.with_name(f"{self.record.name}.{trainer.global_rank}"),
+            {"fresh": fresh_copy_count(), "staged": strategy._async_saves.last_staged_bytes},
+        )
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
+
+
+@pytest.mark.parametrize("name", ["ddp_sharded", "fsdp_fairscale", "fsdp2"])
+def test_an_async_full_save_shares_the_gathered_state_instead_of_copying_it(tmp_path: Path, name: str) -> None:
+    record, directory = tmp_path / "fresh.json", tmp_path / "checkpoints"
+    fit(
+        strategy(name, "full"),
+        new_model(),
+        callbacks=[ModelCheckpoint(dirpath=directory, filename="{epoch}"), FreshCopiesAtTrainEnd(record)],
+        enable_checkpointing=True,
+        max_epochs=1,
+        **TINY,
+    )
+
+    ranks = [json.loads(record.with_name(f"{record.name}.{rank}").read_text()) for rank in range(2)]
+    assert [rank["fresh"] for rank in ranks] == [0, 0]  # nothing recorded outlives its save
+    saved = canonical_checkpoint(directory / "epoch=0.ckpt")
+    model, optimizer = _tensor_bytes(saved["state_dict"]), _tensor_bytes(saved["optimizer_states"])
+    staged = ranks[0]["staged"]
+    small = 64  # tensors of Lightning's own state and Adam's step counts: copied, as every tensor not gathered
+    if name == "ddp_sharded":  # the parameters are live tensors (copied); the gathered optimizer state is shared
+        assert model <= staged < model + small
+    elif name == "fsdp2":  # every tensor of the checkpoint was gathered (or copied by the gather): none copied again
+        assert staged < small
+    else:  # the gathered flat shards are shared; buffers and Adam's step counts are small copies
+        assert staged < (model + optimizer) / 4
