@@ -2,7 +2,7 @@
 """The project's commands, runnable with nothing but Python 3.11:
 
     python3 dev.py demo    # fsdp_fairscale on 2 CPU processes -> checkpoint -> ddp_sharded -> upstream ddp -> table
-    python3 dev.py bench   # benchmarks against hand-written loops on 2 CPU processes (12-20 min), see docs/benchmarks.md
+    python3 dev.py bench   # benchmarks against hand-written loops, 2 CPU processes (12-20 min): docs/benchmarks.md
     python3 dev.py fuzz    # differential fuzzer campaign: --examples N --seed S, or --replay "Recipe(...)"
     python3 dev.py test    # ruff, mypy --strict, the docs (Sphinx, warnings as errors) and the test suite,
                            # under pytorch_lightning and again under lightning
