@@ -213,16 +213,31 @@ def test_the_checkpoint_package_runs_no_collective() -> None:
     assert not _uses(collective_calls, under=CHECKPOINT)
 
 
-def test_the_checkpoint_package_does_not_import_fairscale() -> None:
+def _fairscale_imports(path: Path) -> list[str]:
     found = []
-    for path in CHECKPOINT.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom):
-                modules = [node.module or ""]
-            found += [f"{path.name}:{node.lineno}" for module in modules if module.split(".")[0] == "fairscale"]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.level == 0:  # `from ..fairscale import` is this package's
+            modules = [node.module or ""]
+        found += [
+            f"{path.relative_to(PACKAGE)}:{node.lineno}" for module in modules if module.split(".")[0] == "fairscale"
+        ]
+    return found
 
-    assert not found
+
+def test_only_the_fairscale_package_imports_fairscale() -> None:
+    fairscale_home = PACKAGE / "fairscale"
+
+    found = [
+        place for path in _package_modules() if fairscale_home not in path.parents for place in _fairscale_imports(path)
+    ]
+
+    assert not found, "modules that need fairscale belong in lightning_strategies/fairscale/:\n" + "\n".join(found)
+
+
+def test_the_import_check_finds_fairscale_imports_and_not_this_packages_own() -> None:
+    assert _fairscale_imports(PACKAGE / "fairscale" / "gradients.py")
+    assert not _fairscale_imports(PACKAGE / "strategies" / "__init__.py")  # re-exports lightning_strategies.fairscale
 
 
 def test_no_library_module_uses_unittest_mock() -> None:

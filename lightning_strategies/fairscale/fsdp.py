@@ -50,7 +50,13 @@ from .flat_state import (
     local_model_state,
     unshard_into_module,
 )
-from .gradients import GradientlessCheck, clip_by_total_norm, gradients_kept_as_ddp, gradients_set_aside
+from .gradients import (
+    AGREEING_SCALERS,
+    GradientlessCheck,
+    clip_by_total_norm,
+    gradients_kept_as_ddp,
+    gradients_set_aside,
+)
 from .options import REFUSED_OPTIMIZER_NEEDS, refuse_unknown_fsdp_kwargs
 from .shards import FairScaleLocalShards
 from .wrap import (
@@ -99,6 +105,8 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         TypeError: A keyword argument that ``FullyShardedDataParallel`` does not take.
         ValueError: An unknown ``state_dict_type``.
     """
+
+    agreeing_scalers = AGREEING_SCALERS
 
     strategy_name = "fsdp_fairscale"
 

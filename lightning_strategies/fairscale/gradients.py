@@ -7,6 +7,7 @@
   it where ``ddp`` leaves its gradient ``None``. :class:`GradientlessCheck` decides before each optimizer step which
   such parameters the step would move (refused) or leaves alone (:func:`keep_untouched` puts them back).
 - :func:`gradients_set_aside` takes the shards' gradients off the flat parameters for a step's forward.
+- :data:`AGREEING_SCALERS`: the loss scalers both fairscale strategies keep as the user passed them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from typing import Any
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel
 from fairscale.nn.misc.flatten_params_wrapper import FlatParameter
+from fairscale.optim.grad_scaler import ShardedGradScaler as FairScaleShardedGradScaler
 from torch import Tensor
+from torch.amp.grad_scaler import GradScaler
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn import Parameter
 from torch.optim import Optimizer
 
@@ -31,6 +35,9 @@ from lightning_strategies.fairscale._private import (
     syncs_gradients,
 )
 from lightning_strategies.fairscale.layout import FlatUnit, OptimizerLayout, fsdp_instances
+
+#: Loss scalers that all-reduce found-inf by themselves: torch's sharded scaler and fairscale's own.
+AGREEING_SCALERS: tuple[type[GradScaler], ...] = (ShardedGradScaler, FairScaleShardedGradScaler)
 
 _ARRIVED = "_lightning_strategies_arrived"
 

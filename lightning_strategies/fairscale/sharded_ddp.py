@@ -36,6 +36,7 @@ from ..strategies.full_gradients import owners_gradients_on_every_rank
 from ..strategies.gather import TensorSpec, gather_owned_to_rank0
 from ..strategies.launcher import HandBack
 from ..strategies.optimizers import OptimizerNeed, refuse_unsupported_optimizers, retarget_schedulers, twin_optimizer
+from .gradients import AGREEING_SCALERS
 
 # Keyword arguments ShardedDataParallel accepts besides the module and the optimizers it builds from.
 SHARDED_DDP_KWARGS = frozenset(inspect.signature(ShardedDataParallel.__init__).parameters) - {
@@ -121,6 +122,8 @@ class ShardedDDPStrategy(DirectReferenceStrategy):
     Raises:
         TypeError: A keyword argument that ``ShardedDataParallel`` does not take.
     """
+
+    agreeing_scalers = AGREEING_SCALERS
 
     strategy_name = "ddp_sharded"
 

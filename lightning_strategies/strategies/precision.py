@@ -41,17 +41,6 @@ from .._lightning import (
 _REPLACEABLE: tuple[type[GradScaler], ...] = (GradScaler, torch.cuda.amp.GradScaler)
 
 
-def _already_agreeing(scaler: GradScaler) -> bool:
-    """Whether ``scaler`` all-reduces found-inf across ranks by itself (torch's or fairscale's sharded scalers)."""
-    if isinstance(scaler, ShardedGradScaler):
-        return True
-    try:
-        from fairscale.optim.grad_scaler import ShardedGradScaler as FairScaleShardedGradScaler
-    except ImportError:  # fairscale is optional for fsdp2
-        return False
-    return isinstance(scaler, FairScaleShardedGradScaler)
-
-
 class AgreeingGradScaler(ShardedGradScaler):
     """A loss scaler whose skip-or-step decision is the same on every rank, standing in for a user's ``GradScaler``.
 
@@ -88,26 +77,30 @@ class AgreeingGradScaler(ShardedGradScaler):
         return self.replaced
 
 
-def install_agreeing_scaler(plugin: Precision) -> None:
+def install_agreeing_scaler(plugin: Precision, agreeing: tuple[type[GradScaler], ...] = (ShardedGradScaler,)) -> None:
     """Makes ``plugin`` (the instance the strategy owns) scale losses with an :class:`AgreeingGradScaler`.
 
     Nothing changes for a plugin without an enabled scaler (32-bit, bf16) or with a scaler that agrees already.
 
     Args:
         plugin: The strategy's precision plugin, e.g. Lightning's ``MixedPrecision("16-mixed", ...)``.
+        agreeing: Scaler classes that all-reduce found-inf across ranks by themselves, kept as they are (the
+            strategy's :attr:`GradientRouting.agreeing_scalers`).
 
     Raises:
         TypeError: The plugin's scaler is of another class, whose decisions this package cannot make agree.
     """
     scaler: Any = getattr(plugin, "scaler", None)
-    if not isinstance(scaler, GradScaler) or not scaler.is_enabled() or _already_agreeing(scaler):
+    if not isinstance(scaler, GradScaler) or not scaler.is_enabled() or isinstance(scaler, agreeing):
         return
     if type(scaler) not in _REPLACEABLE:
         raise TypeError(
             f"The precision plugin's loss scaler is a {type(scaler).__qualname__}. With sharded gradients every rank"
             " must take the same skip-or-step decision, and this scaler's cannot be made to agree. Pass a"
             " torch.amp.GradScaler (the strategy replaces it for the run by one that all-reduces found-inf) or a"
-            " subclass of torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler."
+            " subclass of one of the scalers that agree by themselves: "
+            + ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in agreeing)
+            + "."
         )
     plugin.scaler = AgreeingGradScaler(scaler)  # type: ignore[attr-defined]  # the scaler-holding plugins' attribute
 
@@ -123,8 +116,13 @@ class GradientRouting(ParallelStrategy):
     """Gradient hooks a strategy runs through its precision plugin: norm clipping, loss scaling, complete gradients.
 
     Not a strategy of its own: ``DirectReferenceStrategy`` inherits it; subclasses override
-    :meth:`gradients_are_sharded`, :meth:`clip_grad_by_norm` and :meth:`complete_gradients`.
+    :meth:`gradients_are_sharded`, :meth:`clip_grad_by_norm` and :meth:`complete_gradients`, and extend
+    :attr:`agreeing_scalers` with their backend's own sharded scaler.
     """
+
+    #: Loss scaler classes that all-reduce found-inf across ranks by themselves: a user's scaler of one of these
+    #: classes is kept; a plain ``GradScaler`` is replaced for the run by an :class:`AgreeingGradScaler`.
+    agreeing_scalers: tuple[type[GradScaler], ...] = (ShardedGradScaler,)
 
     @override
     def setup_precision_plugin(self) -> None:
@@ -139,7 +137,7 @@ class GradientRouting(ParallelStrategy):
             route_precision_plugin(plugin, clip_grad_by_norm=self.clip_grad_by_norm, after_closure=None)
             # Likewise each rank's loss scaler sees only its own gradients: under fp16 it would skip steps and
             # back off alone (and a rank that skips a sharded optimizer's step leaves the others in its broadcast).
-            install_agreeing_scaler(plugin)
+            install_agreeing_scaler(plugin, self.agreeing_scalers)
         if self._completes_gradients():
             # Lightning calls `on_before_optimizer_step` (where its docs compute `grad_norm(self)`) from the plugin,
             # and offers strategies no hook around it: the plugin instance this strategy owns runs the hooks inside
