@@ -27,12 +27,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 
 
+def _pinned(name: str) -> str:
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.startswith(f"{name}=="):
+            return line.split("==", 1)[1].strip()
+    raise SystemExit(f"constraints.txt pins no {name}")
+
+
+PINNED_TORCH = _pinned("torch")
+PINNED_LIGHTNING = _pinned("pytorch-lightning")
+
+
 @dataclass(frozen=True)
 class Environment:
-    """A virtual environment with one of the two Lightning packages."""
+    """A virtual environment with one of the two Lightning packages, at one torch and one Lightning version."""
 
     directory: Path
     lightning_package: str  # the pip distribution: "pytorch-lightning" or "lightning"
+    leg: str  # the CI leg's name, printed with every failure
+    torch: str = PINNED_TORCH
+    lightning: str = PINNED_LIGHTNING
 
     @property
     def bin(self) -> Path:
@@ -42,9 +56,38 @@ class Environment:
     def python(self) -> Path:
         return self.bin / "python"
 
+    @property
+    def pinned(self) -> bool:
+        """Whether torch and Lightning are the versions of ``constraints.txt`` (the local CPU wheel of torch)."""
+        return (self.torch, self.lightning) == (PINNED_TORCH, PINNED_LIGHTNING)
 
-PYTORCH_LIGHTNING_ENV = Environment(ROOT / ".venv", "pytorch-lightning")
-LIGHTNING_ENV = Environment(ROOT / ".venv-lightning", "lightning")
+    def describe(self) -> str:
+        return f"leg {self.leg!r} (torch {self.torch}, {self.lightning_package} {self.lightning})"
+
+    def constraints(self) -> Path:
+        """``constraints.txt`` with this leg's torch and Lightning versions in place of the pinned ones."""
+        if self.pinned:
+            return ROOT / "constraints.txt"
+        overridden = {"torch": self.torch, "pytorch-lightning": self.lightning, "lightning": self.lightning}
+        lines = []
+        for line in (ROOT / "constraints.txt").read_text().splitlines():
+            name = line.split("==", 1)[0].strip()
+            lines.append(f"{name}=={overridden[name]}" if name in overridden and "==" in line else line)
+        path = self.directory / "constraints.txt"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+
+PYTORCH_LIGHTNING_ENV = Environment(ROOT / ".venv", "pytorch-lightning", "pinned")
+LIGHTNING_ENV = Environment(ROOT / ".venv-lightning", "lightning", "lightning")
+# The ends of the declared ranges (pyproject.toml). No CPU wheel of these torch releases is reachable from CI (only
+# pypi.org is, and its Linux wheels are CUDA builds), so these legs install the CUDA build and run it on the CPU.
+NEWEST_ENV = Environment(ROOT / ".venv-newest", "pytorch-lightning", "newest", torch="2.15.0", lightning="2.6.6")
+OLDEST_ENV = Environment(ROOT / ".venv-oldest", "pytorch-lightning", "oldest", torch="2.11.0", lightning="2.4.0")
+# What the version legs run: the strategies across each other, the resume matrix and the fuzzer's CI examples.
+VERSION_LEG_TESTS = ("tests/both_packages", "tests/test_differential_fuzzer.py")
+VERSION_LEG_TESTS_ENVIRONMENTS = (NEWEST_ENV, OLDEST_ENV)
+
 
 # `lightning` declares `pytorch-lightning` as a requirement but never imports it; installing its other requirements
 # by hand gives an environment where only `lightning.pytorch` exists, which is what its users may have.
@@ -65,7 +108,7 @@ def _run(*command: str | Path, env: dict[str, str] | None = None, echo: bool = T
         sys.exit(result.returncode)
 
 
-def _step(message: str, *command: str | Path) -> str:
+def _step(message: str, *command: str | Path, env: dict[str, str] | None = None) -> str:
     """One line for one step of an environment build; the command's own output only when it fails.
 
     Returns:
@@ -73,7 +116,9 @@ def _step(message: str, *command: str | Path) -> str:
     """
     print(f"{message} ...", end=" ", flush=True)
     started = time.perf_counter()
-    result = subprocess.run([str(part) for part in command], cwd=ROOT, capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [str(part) for part in command], cwd=ROOT, capture_output=True, text=True, check=False, env=env
+    )
     if result.returncode != 0:
         print("failed:", " ".join(str(part) for part in command), flush=True)
         sys.stdout.write(result.stdout)
@@ -95,26 +140,54 @@ def _ensure(environment: Environment) -> None:
     if not environment.python.exists():
         _step(f"creating {name}", sys.executable, "-m", "venv", environment.directory)
     python = environment.python
-    pip = (python, "-m", "pip", "install", "--progress-bar", "off", "-c", "constraints.txt")
+    constraints = environment.constraints()
+    # A machine-wide pip constraint (this workplace caps torch at the releases on its disk) would refuse another
+    # leg's torch; the leg's own constraints file takes its place.
+    pip_env = {**os.environ, "PIP_CONSTRAINT": str(constraints)}
+    pip = (python, "-m", "pip", "install", "--progress-bar", "off", "-c", constraints)
     _step(f"upgrading pip in {name}", python, "-m", "pip", "install", "--progress-bar", "off", "--upgrade", "pip")
+    torch_build = "torch CPU" if environment.pinned else f"torch {environment.torch}, a CUDA build run on the CPU"
     if environment.lightning_package == "pytorch-lightning":
+        extras = (
+            "pytorch-lightning,plots,docs,test,zoo,export" if environment.pinned else "pytorch-lightning,plots,test"
+        )
         _step(
-            f"installing pinned packages into {name} (torch CPU, pytorch-lightning, fairscale, test and docs tools)",
+            f"installing pinned packages into {name} ({torch_build}, pytorch-lightning {environment.lightning}, "
+            "fairscale, test tools)",
             *pip,
             "-e",
-            ".[pytorch-lightning,plots,docs,test,zoo,export]",
+            f".[{extras}]",
+            env=pip_env,
         )
     else:
         _step(
-            f"installing pinned packages into {name} (torch CPU, fairscale, test tools)",
+            f"installing pinned packages into {name} ({torch_build}, fairscale, test tools)",
             *pip,
             "-e",
             ".[plots,test,export]",
+            env=pip_env,
         )
         _step(f"installing lightning into {name} (without pytorch-lightning)", *pip, "--no-deps", "lightning")
         listed = _step(f"listing lightning's requirements in {name}", python, "-c", _LIGHTNING_REQUIREMENTS)
-        _step(f"installing lightning's requirements into {name}", *pip, *listed.split())
+        _step(f"installing lightning's requirements into {name}", *pip, *listed.split(), env=pip_env)
     stamp.write_text(digest)
+
+
+def _pytest(environment: Environment, *arguments: str, other: Environment) -> None:
+    """Runs pytest in ``environment``; a failure names the leg. ``other`` is where cross-package tests resume."""
+    # Two pytest workers, a test module each at a time: the distributed tests spend much of their time waiting
+    # (interpreter start-up, rendezvous, collectives), so two overlap well even on 2 cores (measured 980 s -> 632 s).
+    parallel = ("-n", "2", "--dist", "loadscope")
+    env = {
+        **os.environ,
+        "LIGHTNING_STRATEGIES_OTHER_PYTHON": str(other.python),
+        "LIGHTNING_STRATEGIES_LEG": environment.leg,
+    }
+    print(f"+ {environment.describe()}: pytest {' '.join(arguments)}", flush=True)
+    result = subprocess.run([str(environment.python), "-m", "pytest", *parallel, *arguments], cwd=ROOT, env=env)
+    if result.returncode != 0:
+        print(f"FAILED: {environment.describe()}: pytest {' '.join(arguments)}", flush=True)
+        sys.exit(result.returncode)
 
 
 def main(argv: list[str]) -> None:
@@ -133,22 +206,20 @@ def main(argv: list[str]) -> None:
     if command == "fuzz":
         _run(main_env.python, "-m", "tests.fuzz", *rest, echo=False)
         return
-    _ensure(LIGHTNING_ENV)
+    for environment in (LIGHTNING_ENV, NEWEST_ENV, OLDEST_ENV) if not rest else (LIGHTNING_ENV,):
+        _ensure(environment)
     _run(main_env.bin / "ruff", "check", ".")
     _run(main_env.bin / "ruff", "format", "--check", ".")
     _run(main_env.bin / "mypy", "lightning_strategies")
     # Warnings are errors: a broken reference or a docstring autodoc cannot read fails the run.
     _run(main_env.bin / "sphinx-build", "-W", "--keep-going", "-q", "-b", "html", "docs", "docs/_build/html")
-    # Each run names the other environment's Python: the cross-package tests save in one and resume in the other.
-    env = {**os.environ, "LIGHTNING_STRATEGIES_OTHER_PYTHON": str(LIGHTNING_ENV.python)}
-    # Two pytest workers, a test module each at a time: the distributed tests spend much of their time waiting
-    # (interpreter start-up, rendezvous, collectives), so two overlap well even on 2 cores (measured 980 s -> 632 s).
-    parallel = ("-n", "2", "--dist", "loadscope")
-    _run(main_env.python, "-m", "pytest", *parallel, *rest, env=env)
+    # Each run names another environment's Python: the cross-package tests save in one and resume in the other.
+    _pytest(main_env, *rest, other=LIGHTNING_ENV)
     if not rest:
-        env = {**os.environ, "LIGHTNING_STRATEGIES_OTHER_PYTHON": str(main_env.python)}
-        only_here = ("-m", "not flavour_independent")
-        _run(LIGHTNING_ENV.python, "-m", "pytest", *parallel, "tests/both_packages", *only_here, env=env)
+        _pytest(LIGHTNING_ENV, "tests/both_packages", "-m", "not flavour_independent", other=main_env)
+        # The ends of the declared ranges resume checkpoints of the pinned `lightning` leg and the other way round.
+        for environment in VERSION_LEG_TESTS_ENVIRONMENTS:
+            _pytest(environment, *VERSION_LEG_TESTS, other=LIGHTNING_ENV)
 
 
 if __name__ == "__main__":

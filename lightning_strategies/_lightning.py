@@ -14,6 +14,7 @@ generated from the same source, so their signatures agree.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +96,22 @@ else:
 
 
 # ------------------------------------------------------------------ Lightning's internals, each named once
+
+
+def load_weights_only(load: Callable[..., dict[str, Any]], path: _PATH, **options: Any) -> dict[str, Any]:
+    """Calls a ``CheckpointIO.load_checkpoint`` (bound method) with ``weights_only=True`` where it takes that argument.
+
+    Lightning's plugins take ``weights_only`` from 2.5 on. Those of 2.4 have no such argument and load with
+    ``torch.load``'s default, which is ``weights_only=True`` from torch 2.6 on (this package needs torch 2.11 or newer),
+    so leaving the argument out loads the same way.
+    """
+    try:
+        takes_weights_only = "weights_only" in inspect.signature(load).parameters
+    except (TypeError, ValueError):  # a callable without a signature: called as Lightning 2.5+ calls it
+        takes_weights_only = True
+    if takes_weights_only:
+        return load(path, weights_only=True, **options)
+    return load(path, **options)
 
 
 def evaluate_under_no_grad(trainer: pl.Trainer) -> None:
@@ -272,6 +289,7 @@ __all__ = [
     "last_saved_checkpoint",
     "launched_strategy",
     "layer_sync_of",
+    "load_weights_only",
     "pl",
     "raw_optimizer",
     "reset_seed",

@@ -20,3 +20,11 @@ disk or a refused load -> ``checkpoint``. Generators of docs pages are not tests
 tables stay with ``tests/zoo``, which is both). Every folder is a package (``__init__.py``): spawned ranks import
 test modules by dotted name.
 """
+
+import os
+
+# Forked workers must not inherit a busy OpenMP pool (libgomp is not fork-safe: a one-process fork run then hangs in
+# its first parallel op). Set here, before anything of the suite imports torch, so OpenMP starts with one thread and
+# torch's thread pools are never resized in the process the ranks fork from (tests/conftest.py). Also the fastest on
+# 2 cores.
+os.environ["OMP_NUM_THREADS"] = "1"

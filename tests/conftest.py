@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib.metadata
 import json
 import logging
 import multiprocessing
@@ -18,11 +20,42 @@ import torch
 import torch.distributed as dist
 
 import lightning_strategies  # noqa: F401  (registers the strategy names)
+from tests.support import fork_safety
 
-# Forked workers must not inherit a busy OpenMP pool (libgomp is not fork-safe: a one-process fork run then hangs in
-# its first parallel op). One thread in this process and in every worker: also the fastest on 2 cores.
-os.environ["OMP_NUM_THREADS"] = "1"
-torch.set_num_threads(1)
+# One thread in this process and in every worker (OMP_NUM_THREADS is set in tests/__init__.py, before torch loads):
+# set_num_threads only where something loaded torch first, since it also creates torch's pthreadpool, whose threads a
+# fork of this process would not have (torch 2.11's CUDA build then aborts in the forked ranks' autograd threads:
+# "Invalid thread pool!").
+if torch.get_num_threads() != 1:
+    torch.set_num_threads(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if fork_safety.emulating():
+        fork_safety.emulate_bad_fork()
+    # Probed once here, before pytest-xdist starts its workers: they inherit the answer (tests/support/fork_safety.py).
+    config.stash[_ISOLATING] = fork_safety.isolating_test_bodies()
+
+
+_ISOLATING = pytest.StashKey[bool]()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Which leg of ``dev.py test`` runs (a failure names it), the versions it runs on, and how test bodies run."""
+    versions = [f"torch {torch.__version__}"]
+    for distribution in ("pytorch-lightning", "lightning"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions.append(f"{distribution} {importlib.metadata.version(distribution)}")
+    leg = os.environ.get("LIGHTNING_STRATEGIES_LEG", "(none: pytest run by hand)")
+    bodies = "each test body in its own fork" if config.stash[_ISOLATING] else "test bodies in the pytest process"
+    return [f"lightning_strategies leg {leg}: {', '.join(versions)}; {bodies}"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if pyfuncitem.config.stash[_ISOLATING]:
+        return fork_safety.run_in_fork(pyfuncitem)
+    return None
 
 
 def write_json(path: Path, value: Any) -> None:

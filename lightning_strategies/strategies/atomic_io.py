@@ -15,7 +15,14 @@ from lightning_strategies.checkpoint.atomic import atomic_torch_save
 from lightning_strategies.checkpoint.io import can_map, load_mapped, read_checkpoint
 from lightning_strategies.checkpoint.sharded import is_sharded_checkpoint
 
-from .._lightning import _PATH, AsyncCheckpointIO, CheckpointIO, TorchCheckpointIO, _WrappingCheckpointIO
+from .._lightning import (
+    _PATH,
+    AsyncCheckpointIO,
+    CheckpointIO,
+    TorchCheckpointIO,
+    _WrappingCheckpointIO,
+    load_weights_only,
+)
 
 
 class AtomicTorchCheckpointIO(TorchCheckpointIO):
@@ -72,7 +79,7 @@ class AtomicTorchCheckpointIO(TorchCheckpointIO):
         if mmap and can_map(path):
             mapped: dict[str, Any] = load_mapped(path, map_location=map_location)
             return mapped
-        loaded: dict[str, Any] = super().load_checkpoint(path, map_location=map_location, weights_only=True)
+        loaded = load_weights_only(super().load_checkpoint, path, map_location=map_location)
         return loaded
 
 
@@ -116,7 +123,7 @@ def read_full_checkpoint(path: _PATH, io: CheckpointIO) -> dict[str, Any]:
     if maps_files(loader) and can_map(path):
         load: Callable[..., dict[str, Any]] = loader.load_checkpoint  # its signature takes `mmap` (checked above)
         return read_checkpoint(path, load=lambda: load(path, weights_only=True, mmap=True), mmap=True)
-    return read_checkpoint(path, load=lambda: io.load_checkpoint(path, weights_only=True))
+    return read_checkpoint(path, load=lambda: load_weights_only(io.load_checkpoint, path))
 
 
 def synchronous_checkpoint_io(io: CheckpointIO) -> CheckpointIO:

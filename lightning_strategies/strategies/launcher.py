@@ -40,6 +40,7 @@ from .._lightning import (
     _WorkerOutput,
     dump_checkpoint,
     launched_strategy,
+    load_weights_only,
     pl,
 )
 from .atomic_io import synchronous_checkpoint_io
@@ -205,14 +206,14 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
                 materialise_meta_tensors(module, torch.device("cpu"))
             # Upstream loads the weights with strict=False: a compiled submodule, whose keys here hold `_orig_mod`,
             # would silently keep its old weights. The canonical keys are renamed to the module's own first.
-            weights = self._launched_strategy.checkpoint_io.load_checkpoint(weights_path, weights_only=True)
+            weights = load_weights_only(self._launched_strategy.checkpoint_io.load_checkpoint, weights_path)
             module.load_state_dict(to_module_keys(weights, module), strict=False)
             worker_output = worker_output._replace(weights_path=None)
         super()._recover_results_in_main_process(worker_output, trainer)
         state_path = worker_output.extra.get(_TRAINING_STATE_PATH)
         if state_path is not None:
             io = self._launched_strategy.checkpoint_io
-            self._end_of_fit_state = io.load_checkpoint(state_path, weights_only=True)
+            self._end_of_fit_state = load_weights_only(io.load_checkpoint, state_path)
         if weights_path is not None:
             shutil.rmtree(os.path.dirname(weights_path), ignore_errors=True)
 
