@@ -5,13 +5,17 @@
     python3 dev.py bench   # benchmarks against hand-written loops, 2 CPU processes (12-20 min): docs/benchmarks.md
     python3 dev.py fuzz    # differential fuzzer campaign: --examples N --seed S, or --replay "Recipe(...)"
     python3 dev.py test    # ruff, mypy --strict, the docs (Sphinx, warnings as errors) and the test suite,
-                           # under pytorch_lightning and again under lightning
+                           # under pytorch_lightning, under lightning, and at each end of the declared ranges
 
-``test`` builds two environments from the pins in ``constraints.txt`` (torch's CPU wheel): ``.venv`` with
-``pytorch-lightning`` and ``.venv-lightning`` with the unified ``lightning`` package only. The whole suite runs in
-the first; ``tests/both_packages`` (conformance kit, cross-strategy resumes, cross-package checkpoints) runs again
-in the second, but for its tests marked ``flavour_independent``. ``demo`` needs only ``.venv``.
-Extra arguments go to the demo or to pytest, e.g. ``python3 dev.py test -k sharded``.
+``test`` runs four legs, each in an environment of its own built from the pins in ``constraints.txt``: ``pinned``
+(``.venv``: torch's CPU wheel and ``pytorch-lightning``) runs the whole suite; ``lightning`` (``.venv-lightning``:
+the unified ``lightning`` package only) runs ``tests/both_packages`` (conformance kit, cross-strategy resumes,
+cross-package checkpoints) but for its tests marked ``flavour_independent``; ``newest`` and ``oldest``
+(``.venv-newest``, ``.venv-oldest``: the ends of the ranges ``pyproject.toml`` declares, torch's CUDA build from
+pypi.org run on the CPU) run ``tests/both_packages`` and the differential fuzzer's CI examples. Their environments are
+built in the background while the pinned leg runs (their logs: ``.venv-newest.log``, ``.venv-oldest.log``).
+``demo`` needs only ``.venv``. Extra arguments go to the demo or to pytest (pinned leg only), e.g.
+``python3 dev.py test -k sharded``.
 """
 
 from __future__ import annotations
@@ -190,7 +194,29 @@ def _pytest(environment: Environment, *arguments: str, other: Environment) -> No
         sys.exit(result.returncode)
 
 
+def _build_in_background(environment: Environment) -> subprocess.Popen[bytes]:
+    """Builds ``environment`` in a process of its own (``dev.py env NAME``), its output in ``DIRECTORY.log``."""
+    log = environment.directory.with_name(environment.directory.name + ".log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, __file__, "env", environment.leg], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+    )
+
+
+def _await_build(environment: Environment, build: subprocess.Popen[bytes]) -> None:
+    if build.wait() != 0:
+        log = environment.directory.with_name(environment.directory.name + ".log")
+        sys.stdout.write(log.read_text(errors="replace"))
+        print(f"FAILED: building the environment of {environment.describe()} (log: {log.name})", flush=True)
+        sys.exit(build.returncode)
+
+
+LEGS = {environment.leg: environment for environment in (PYTORCH_LIGHTNING_ENV, LIGHTNING_ENV, NEWEST_ENV, OLDEST_ENV)}
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["env"] and len(argv) == 2 and argv[1] in LEGS:  # used by `test` to build a leg in the background
+        _ensure(LEGS[argv[1]])
+        return
     if not argv or argv[0] not in ("demo", "bench", "fuzz", "test"):
         print(__doc__)
         sys.exit(2)
@@ -206,19 +232,23 @@ def main(argv: list[str]) -> None:
     if command == "fuzz":
         _run(main_env.python, "-m", "tests.fuzz", *rest, echo=False)
         return
-    for environment in (LIGHTNING_ENV, NEWEST_ENV, OLDEST_ENV) if not rest else (LIGHTNING_ENV,):
-        _ensure(environment)
+    _ensure(LIGHTNING_ENV)
+    # Mostly downloads and unpacking (about 5 GB each): they overlap the pinned leg, which waits on its ranks a lot.
+    legs = () if rest else VERSION_LEG_TESTS_ENVIRONMENTS
+    builds = {environment: _build_in_background(environment) for environment in legs}
     _run(main_env.bin / "ruff", "check", ".")
     _run(main_env.bin / "ruff", "format", "--check", ".")
     _run(main_env.bin / "mypy", "lightning_strategies")
     # Warnings are errors: a broken reference or a docstring autodoc cannot read fails the run.
     _run(main_env.bin / "sphinx-build", "-W", "--keep-going", "-q", "-b", "html", "docs", "docs/_build/html")
     # Each run names another environment's Python: the cross-package tests save in one and resume in the other.
-    _pytest(main_env, *rest, other=LIGHTNING_ENV)
+    # The slowest tests are listed: cut redundant slow cases before adding new ones (the run must stay under 25 min).
+    _pytest(main_env, "--durations=15", *rest, other=LIGHTNING_ENV)
     if not rest:
         _pytest(LIGHTNING_ENV, "tests/both_packages", "-m", "not flavour_independent", other=main_env)
         # The ends of the declared ranges resume checkpoints of the pinned `lightning` leg and the other way round.
-        for environment in VERSION_LEG_TESTS_ENVIRONMENTS:
+        for environment, build in builds.items():
+            _await_build(environment, build)
             _pytest(environment, *VERSION_LEG_TESTS, other=LIGHTNING_ENV)
 
 
