@@ -8,7 +8,9 @@ a time limit of its own):
 2. ``zoo``: ``tests/gpu/test_zoo_cuda.py`` (GPT-2 and ResNet from ``tests/zoo`` on CUDA; skipped without the zoo);
 3. ``memory``: ``scripts/gpu_memory.py`` for ``ddp``, ``ddp_sharded``, ``fsdp_fairscale`` and ``fsdp2``;
 4. ``cpu-suite``: the whole CPU suite with CUDA hidden (``CUDA_VISIBLE_DEVICES=""``), the torch leg of that machine's
-   torch version, one test file per ``pytest-xdist`` worker; it runs beside steps 1-3 from the start, on the CPU
+   torch version, one test file per ``pytest-xdist`` worker, each test body in a fork of its own
+   (``LIGHTNING_STRATEGIES_FORK_ISOLATION=1``: a CUDA build refuses forks of a process that ran backward, and the
+   suite forks its ranks; see ``tests/support/fork_safety.py``); it runs beside steps 1-3 from the start, on the CPU
    cores they leave, until the budget ends.
 
 Writes ``report.json`` (versions, each step's outcome and failures, the memory figures) and one log per step into
@@ -190,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "report.json").write_text(json.dumps(report, indent=2))
 
     # The CPU suite (CUDA hidden) runs beside the GPU steps, on the cores they leave: most of the budget for both.
-    cpu_env = {**env, "CUDA_VISIBLE_DEVICES": ""}
+    # Each test body in its own fork, whatever the probe of that machine says: the ranks a test forks then come from a
+    # process that never ran backward (the first GPU run failed 373 tests on such forks).
+    cpu_env = {**env, "CUDA_VISIBLE_DEVICES": "", "LIGHTNING_STRATEGIES_FORK_ISOLATION": "1"}
     cpu_env.pop("LIGHTNING_STRATEGIES_GPU_REHEARSAL", None)
     workers = max(1, min(8, (os.cpu_count() or 1) - 4))
     parallel = ["-n", str(workers), "--dist", "loadfile"] if _has("xdist") and workers > 1 else []

@@ -103,3 +103,18 @@ def test_every_version_in_the_declared_ranges_has_a_cell_and_only_those_are_supp
             assert text.startswith(("tested in CI", "in range, not run in CI")), (row, column, text)
         else:
             assert text.startswith("not supported, because"), (row, column, text)
+
+
+def test_the_declared_ranges_admit_the_cpu_and_cuda_wheels_of_each_tested_release() -> None:
+    from packaging.requirements import Requirement
+
+    dev = _dev()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch = Requirement(next(text for text in project["dependencies"] if text.startswith("torch")))
+    lightning = Requirement(project["optional-dependencies"]["pytorch-lightning"][0])
+
+    for leg in (dev.PYTORCH_LIGHTNING_ENV, *dev.VERSION_LEG_TESTS_ENVIRONMENTS):
+        # pip keeps an installed torch whose version the range admits: the CPU wheel (+cpu) as well as CUDA builds.
+        for build in (leg.torch, f"{leg.torch}+cpu", f"{leg.torch}+cu130"):
+            assert torch.specifier.contains(build), (build, str(torch))
+        assert lightning.specifier.contains(leg.lightning), (leg.lightning, str(lightning))
