@@ -151,16 +151,21 @@ def _ensure(environment: Environment) -> None:
     pip = (python, "-m", "pip", "install", "--progress-bar", "off", "-c", constraints)
     _step(f"upgrading pip in {name}", python, "-m", "pip", "install", "--progress-bar", "off", "--upgrade", "pip")
     torch_build = "torch CPU" if environment.pinned else f"torch {environment.torch}, a CUDA build run on the CPU"
-    if environment.lightning_package == "pytorch-lightning":
-        extras = (
-            "pytorch-lightning,plots,docs,test,zoo,export" if environment.pinned else "pytorch-lightning,plots,test"
+    if environment.pinned and environment.lightning_package == "pytorch-lightning":
+        _step(
+            f"installing pinned packages into {name} (torch CPU, pytorch-lightning, fairscale, test and docs tools)",
+            *pip,
+            "-e",
+            ".[pytorch-lightning,plots,docs,test,zoo,export]",
+            env=pip_env,
         )
+    elif environment.lightning_package == "pytorch-lightning":  # a version leg: tests/both_packages and the fuzzer
         _step(
             f"installing pinned packages into {name} ({torch_build}, pytorch-lightning {environment.lightning}, "
             "fairscale, test tools)",
             *pip,
             "-e",
-            f".[{extras}]",
+            ".[pytorch-lightning,plots,test]",
             env=pip_env,
         )
     else:
