@@ -18,6 +18,7 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.optim import Optimizer
 
 from ._flavour import flavour_of
@@ -112,6 +113,19 @@ def load_weights_only(load: Callable[..., dict[str, Any]], path: _PATH, **option
     if takes_weights_only:
         return load(path, weights_only=True, **options)
     return load(path, **options)
+
+
+def autocast_caches_casts(plugin: Precision, device_type: str) -> bool:
+    """Whether ``plugin``'s training steps run under a ``torch.autocast`` that caches its casts of parameters.
+
+    Lightning's ``MixedPrecision`` autocasts with ``torch.autocast``'s default ``cache_enabled=True`` up to 2.5 and
+    with ``cache_enabled=False`` from 2.6 on. With the cache, a leaf parameter used by several low-precision ops in a
+    step is cast once, and the gradients of its uses are summed in low precision before the cast's backward; without
+    it each use's gradient is cast to float32 before they are summed. Asked of the plugin itself (entering its
+    training-step context once), so that a plugin that overrides its autocast is answered for as it runs.
+    """
+    with plugin.train_step_context():
+        return torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled()
 
 
 def evaluate_under_no_grad(trainer: pl.Trainer) -> None:
@@ -278,6 +292,7 @@ __all__ = [
     "_sync_ddp_if_available",
     "_sync_module_states",
     "_trainer_call",
+    "autocast_caches_casts",
     "call_before_optimizer_step_hooks",
     "checkpoint_connector",
     "clip_gradients",

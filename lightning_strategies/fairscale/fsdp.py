@@ -36,7 +36,15 @@ from lightning_strategies.fairscale.layout import (
     tied_aliases,
 )
 
-from .._lightning import CheckpointIO, ClusterEnvironment, Precision, _StrategyRegistry, pl, raw_optimizer
+from .._lightning import (
+    CheckpointIO,
+    ClusterEnvironment,
+    Precision,
+    _StrategyRegistry,
+    autocast_caches_casts,
+    pl,
+    raw_optimizer,
+)
 from ..strategies.base import DirectReferenceStrategy, StartMethod
 from ..strategies.full_gradients import full_fairscale_parameters
 from ..strategies.launcher import CanonicalStateLauncher, HandBack
@@ -57,7 +65,12 @@ from .gradients import (
     gradients_kept_as_ddp,
     gradients_set_aside,
 )
-from .options import REFUSED_OPTIMIZER_NEEDS, refuse_unknown_fsdp_kwargs
+from .options import (
+    REFUSED_OPTIMIZER_NEEDS,
+    refuse_flattening,
+    refuse_unknown_fsdp_kwargs,
+    unflattened_by_default,
+)
 from .shards import FairScaleLocalShards
 from .wrap import (
     ParamClass,
@@ -186,8 +199,9 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
             if self._cpu_patched:
                 rank_zero_warn("fairscale FSDP runs on the CPU through scoped patches: for development and testing.")
 
-    def _wrapper_kwargs(self) -> dict[str, Any]:
-        return {**self._fsdp_kwargs, "compute_device": self.root_device}
+    def _wrapper_kwargs(self, unflattened: bool = False) -> dict[str, Any]:
+        fsdp_kwargs = unflattened_by_default(self._fsdp_kwargs) if unflattened else self._fsdp_kwargs
+        return {**fsdp_kwargs, "compute_device": self.root_device}
 
     @contextmanager
     @override
@@ -201,7 +215,9 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         with enable_wrap(wrapper_cls=self._wrap_requests.marker()):
             yield
 
-    def _wrap(self, module: pl.LightningModule, param_class: ParamClass = by_requires_grad) -> FSDP:
+    def _wrap(
+        self, module: pl.LightningModule, param_class: ParamClass = by_requires_grad, unflattened: bool = False
+    ) -> FSDP:
         # Remember the module tree as it was, so teardown can put back every child this strategy wrapped.
         self._original_children = [
             (parent, name, child) for parent in module.modules() for name, child in parent.named_children()
@@ -209,7 +225,7 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         user_wrapped = any(isinstance(child, FSDP) for child in module.modules())
         # The order of the plain module's state_dict, for the canonical state gathered unit by unit (references only).
         self._state_key_order = [] if user_wrapped else list(canonical_keys(module.state_dict(keep_vars=True)))
-        kwargs = {**self._wrapper_kwargs(), "param_class": param_class}
+        kwargs = {**self._wrapper_kwargs(unflattened), "param_class": param_class}
         root, wrapped_by = wrap_model(module, kwargs, self._wrap_requests, self._auto_wrap_min_params)
         self._units = flat_units(root)
         self._aliases = tied_aliases(root)
@@ -233,7 +249,13 @@ class FairScaleFSDPStrategy(DirectReferenceStrategy):
         self._gradient_check = GradientlessCheck()
         self.setup_optimizers(trainer)  # the user's optimizers, over the parameters as configure_optimizers saw them
         refuse_unsupported_optimizers(self.strategy_name, self.optimizers, module, REFUSED_OPTIMIZER_NEEDS)
-        root = self._wrap(module, by_param_group(self.optimizers))
+        # An autocast that caches its casts of parameters (Lightning's before 2.6) caches leaves only: flattened
+        # parameters are views, whose gradients would be summed otherwise than ddp's (options.refuse_flattening).
+        # Not on one rank: fairscale does not shard unflattened parameters there, which the flat layout needs.
+        cached_casts = self.world_size > 1 and autocast_caches_casts(self.precision_plugin, self.root_device.type)
+        root = self._wrap(module, by_param_group(self.optimizers), unflattened=cached_casts)
+        if cached_casts:
+            refuse_flattening(root)
         optimizers = []
         for index, optimizer in enumerate(self.optimizers):
             layout = optimizer_layout(optimizer, names_before, self._units, index)

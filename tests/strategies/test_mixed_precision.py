@@ -22,8 +22,10 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy, ShardedDDPStrategy
+from lightning_strategies.fairscale.options import FlattenedUnderCachedAutocastError
 from lightning_strategies.strategies.precision import AgreeingGradScaler
 from lightning_strategies.testing import SaveAfterRestore
+from tests.fuzz.recipes import ModelSpec, Recipe, build_module
 from tests.support.helpers import RankRecorder, assert_same_weights, fit, new_model, train_and_save
 
 # A collective that waits longer than this failed: a rank that skipped a step alone would leave its peers waiting.
@@ -134,6 +136,34 @@ def test_bf16_autocast_training_matches_ddp(name: str) -> None:
     expected = trained(ddp(), 2, precision="bf16-mixed")
     model = trained(SHARDED[name](), 2, precision="bf16-mixed")
     assert_same_weights(expected, model, atol=1e-5)
+
+
+class CachingMixedPrecision(MixedPrecision):
+    """bf16 autocast that caches its casts of parameters, as Lightning's ``MixedPrecision`` does before 2.6."""
+
+    def autocast_context_manager(self) -> torch.autocast:
+        return torch.autocast(self.device, dtype=torch.bfloat16, cache_enabled=True)
+
+
+#: Adam after a layer called twice and a weight tied to another layer's: each parameter is used by two bf16 matmuls.
+USED_TWICE = Recipe(model=ModelSpec(called_twice=True, tied=True), optimizer="adam")
+
+
+def test_fsdp_fairscale_trains_parameters_used_twice_like_ddp_under_an_autocast_that_caches_casts() -> None:
+    # ddp sums the bf16 gradients of the two uses of a parameter, cast once (cached), before casting them to fp32:
+    # fsdp_fairscale leaves the parameters unflattened there, leaves that the cache holds as well.
+    expected = build_module(USED_TWICE)
+    fit(ddp(), expected, plugins=[CachingMixedPrecision("bf16-mixed", "cpu")])
+    model = build_module(USED_TWICE)
+    fit(SHARDED["fsdp_fairscale"](), model, plugins=[CachingMixedPrecision("bf16-mixed", "cpu")])
+    assert_same_weights(expected, model, atol=1e-5)
+
+
+def test_fsdp_fairscale_refuses_flattening_under_an_autocast_that_caches_casts_with_the_fix() -> None:
+    strategy = FairScaleFSDPStrategy(start_method="fork", timeout=COLLECTIVE_TIMEOUT, flatten_parameters=True)
+    refusal = rf"{FlattenedUnderCachedAutocastError.__name__}: .*Pass flatten_parameters=False"
+    with pytest.raises(Exception, match=refusal):  # raised on the ranks (the launcher re-raises it with its trace)
+        fit(strategy, build_module(USED_TWICE), plugins=[CachingMixedPrecision("bf16-mixed", "cpu")])
 
 
 @pytest.mark.parametrize("name", ["ddp_sharded", "fsdp_fairscale", "fsdp2"])
