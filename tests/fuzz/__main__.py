@@ -33,7 +33,10 @@ from tests.fuzz.runner import Fuzzer, Report
 
 
 def _quiet() -> None:
-    torch.set_num_threads(1)
+    # OMP_NUM_THREADS=1 is set before torch loads (tests/__init__.py); resizing torch's thread pool in the process the
+    # ranks fork from makes torch 2.11's CUDA build abort in them ("Invalid thread pool!").
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     for name in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric", "torch"):
         logging.getLogger(name).setLevel(logging.ERROR)
