@@ -49,3 +49,31 @@ def test_a_step_that_fails_shows_the_commands_output_and_exits_with_its_code(
     assert exit_info.value.code == 1
     assert captured.out.startswith("installing pinned packages into .venv ... failed: ")
     assert "Collecting torch" in captured.out and "ERROR: no matching version" in captured.err
+
+
+def test_a_version_legs_constraints_replace_torch_and_lightning_and_keep_every_other_pin(
+    dev: ModuleType, tmp_path: Path
+) -> None:
+    leg = dev.Environment(tmp_path / ".venv-test", "pytorch-lightning", "test", torch="9.9.9", lightning="8.8.8")
+    leg.directory.mkdir()
+
+    pins = dict(line.split("==") for line in leg.constraints().read_text().splitlines() if "==" in line)
+    pinned = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line)
+
+    assert (pins["torch"], pins["pytorch-lightning"], pins["lightning"]) == ("9.9.9", "8.8.8", "8.8.8")
+    assert {name: pin for name, pin in pins.items() if name not in ("torch", "pytorch-lightning", "lightning")} == {
+        name: pin for name, pin in pinned.items() if name not in ("torch", "pytorch-lightning", "lightning")
+    }
+
+
+def test_a_failing_leg_names_itself_and_its_versions(dev: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    here = Path(sys.executable)
+    leg = dev.Environment(here.parent.parent, "pytorch-lightning", "test-leg", torch="9.9.9", lightning="8.8.8")
+    if leg.python != here:
+        pytest.skip(f"this interpreter is not at <directory>/bin/python: {here}")
+
+    with pytest.raises(SystemExit) as exit_info:
+        dev._pytest(leg, "tests/no_such_test_file.py", other=leg)
+
+    assert exit_info.value.code != 0
+    assert "FAILED: leg 'test-leg' (torch 9.9.9, pytorch-lightning 8.8.8)" in capsys.readouterr().out
