@@ -98,9 +98,11 @@ class CheckpointFlow(ParallelStrategy):
         """The model state a checkpoint holds: by default :meth:`full_model_state`."""
         self.require_save_possible()  # the first thing a save asks for: before any of its collectives
         forget_fresh_copies()  # a save starts: only its own gathers' copies may be shared with its background write
+        self._async_saves.drop_held_transfers()
         if self._saves_sharded:  # every rank keeps its own part: no gather
             return self._require_sharded_format().model_state()
-        return self.full_model_state()
+        with self._async_saves.holding_transfers():  # an asynchronous save gathers in its background thread
+            return self.full_model_state()
 
     def full_model_state(self) -> dict[str, Any]:
         """Canonical model state on global rank 0 (the unwrapped module's keys, full CPU tensors); ``{}`` elsewhere.
@@ -126,7 +128,8 @@ class CheckpointFlow(ParallelStrategy):
         raw = raw_optimizer(optimizer)
         if self._saves_sharded:
             return self._require_sharded_format().optimizer_state(raw)
-        state = self._canonical_optimizer_state(raw)
+        with self._async_saves.holding_transfers():  # an asynchronous save gathers in its background thread
+            state = self._canonical_optimizer_state(raw)
         return state if self.is_global_zero else {}
 
     def _canonical_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
