@@ -497,6 +497,8 @@ def summarize_scaling(ranks: Sequence[dict[str, Any]], config: Config, goals: li
 
 #: Goal of the asynchronous save benchmark: the step loop blocked per save, asynchronous / synchronous.
 ASYNC_BLOCKED_GOAL = 0.25
+#: Goal of the asynchronous save benchmark: the steps during a background write / the steps without one.
+ASYNC_STEP_GOAL = 1.10
 
 
 def _steps_during_writes(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -561,7 +563,7 @@ def summarize_async_save(ranks: Sequence[dict[str, Any]], config: Config, goals:
                     strategy,
                     f"{label}: step time during a background write / without",
                     rows["step_during_write_ratio"],
-                    None,
+                    ASYNC_STEP_GOAL,
                 )
             )
         goals.append(
