@@ -148,6 +148,7 @@ class _Save:
     transfer_group: Any = None
     thread: threading.Thread | None = None
     native_id: int | None = None  # the background thread's, while its priority is lowered
+    cpu_s: float = 0.0  # CPU seconds the background thread used (its transfers, writes, agreement and commit)
     errors: list[BaseException] = field(default_factory=list)
     commit: Callable[[], None] | None = None
     discard: Callable[[], None] | None = None
@@ -201,6 +202,8 @@ class AsyncSaves:
         self.last_wait_s = 0.0
         #: Seconds the last asynchronous save took to start (agreement on the path, staging copy, thread start).
         self.last_start_s = 0.0
+        #: CPU seconds the background thread of the last finished save used on this rank (what it took from training).
+        self.last_write_cpu_s = 0.0
 
     @property
     def pending(self) -> bool:
@@ -355,6 +358,7 @@ class AsyncSaves:
         if write is not None or transfers is not None:
 
             def run() -> None:
+                cpu_started = time.thread_time()
                 save.native_id = background_priority.lower_this_thread()  # the ranks' steps keep their cores
                 writes, save.write = save.write, None
                 try:
@@ -376,6 +380,7 @@ class AsyncSaves:
                     except BaseException as error:  # the agreement itself failed (a peer gone): the save is lost
                         save.failed = [(-1, _described(error))]
                         save.agreed = True
+                save.cpu_s = time.thread_time() - cpu_started
 
             # A daemon: a run that failed does not wait at exit for a write nobody will commit.
             save.thread = threading.Thread(target=run, name=f"lightning_strategies async save {target}", daemon=True)
@@ -416,6 +421,7 @@ class AsyncSaves:
         if save.thread is not None:
             background_priority.restore(save.native_id)  # the step loop waits for it now: no core to leave
             save.thread.join()
+            self.last_write_cpu_s = save.cpu_s
         if not save.agreed:  # a full file: the ranks agree here
             save.agree()
         error = save.errors[0] if save.errors else None
