@@ -331,7 +331,7 @@ class AsyncSaves:
             self.last_staged_bytes += staged_bytes(staged)
             io = strategy.sharded_checkpoint_io  # written in this thread: no AsyncCheckpointIO on top
             full_writer = partial(io.save_checkpoint, staged, filepath, storage_options=storage_options)
-        # Every rank's thread sends (or receives) its part of the gathers first, then rank 0's writes the file.
+        # Every rank's thread sends (or receives) its part of the gathers first, then rank 0's thread writes the file.
         self._start_in_background(
             str(filepath), full_writer, sharded=False, transfers=transfers if len(transfers) else None
         )

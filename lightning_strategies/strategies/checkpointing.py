@@ -95,7 +95,12 @@ class CheckpointFlow(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model state a checkpoint holds: by default :meth:`full_model_state`."""
+        """The model state a checkpoint holds: by default :meth:`full_model_state`.
+
+        Between ``on_train_start`` and ``on_train_end`` with ``async_save=True``, a full save's gathers hold their
+        transfers back for the save's background thread (``AsyncSaves.holding_transfers``): rank 0's tensors receive the
+        other ranks' parts only once the save that follows runs them. :meth:`full_model_state` always gathers at once.
+        """
         self.require_save_possible()  # the first thing a save asks for: before any of its collectives
         forget_fresh_copies()  # a save starts: only its own gathers' copies may be shared with its background write
         self._async_saves.drop_held_transfers()
@@ -123,7 +128,8 @@ class CheckpointFlow(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Canonical optimizer state (torch's integer-keyed layout over the whole model) on rank 0; ``{}`` elsewhere.
 
-        Every rank must call it: sharded optimizers gather with collectives.
+        Every rank must call it: sharded optimizers gather with collectives. With ``async_save=True`` during training
+        the gathers' transfers wait for the save that follows, as in :meth:`lightning_module_state_dict`.
         """
         raw = raw_optimizer(optimizer)
         if self._saves_sharded:
