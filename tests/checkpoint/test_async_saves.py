@@ -553,3 +553,32 @@ def test_the_background_write_runs_at_a_lower_cpu_priority_than_the_steps(
     priority = json.loads((tmp_path / "priority.0").read_text())  # rank 0 writes the full file
     assert priority["writer"] == min(19, priority["steps"] + BACKGROUND_NICENESS)
     assert_complete(directory / "epoch=0.ckpt")
+
+
+class TakeStateWithoutSaving(pl.Callback):
+    """After the first step, takes the checkpoint's model state on every rank and saves nothing (as a callback that
+    reads ``lightning_module_state_dict()`` would)."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 1:
+            trainer.strategy.lightning_module_state_dict()
+
+
+@pytest.mark.parametrize("name", ["fsdp_fairscale", "fsdp2"])  # their model states are gathered
+def test_a_full_state_taken_without_a_save_leaves_the_next_async_save_as_a_synchronous_one(
+    tmp_path: Path, name: str
+) -> None:
+    saved = {}
+    for kind, async_save in (("sync", False), ("async", True)):
+        directory = tmp_path / kind
+        fit(
+            strategy(name, "full", async_save=async_save),
+            new_model(),
+            callbacks=[TakeStateWithoutSaving(), ModelCheckpoint(dirpath=directory, filename="{epoch}")],
+            enable_checkpointing=True,
+            max_epochs=1,
+            **TINY,
+        )
+        saved[kind] = directory / "epoch=0.ckpt"
+
+    assert_same_checkpoint_state(saved["sync"], saved["async"])  # the held-back gathers of the state were dropped
