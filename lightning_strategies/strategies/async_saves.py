@@ -168,6 +168,9 @@ class _Save:
         if self.failed:
             if self.discard is not None:
                 self.discard()
+            if self.sharded:  # the ranks leave together: one that raised at once and ended would have its launcher
+                # stop the others (SIGTERM) while rank 0 still removed the staging directory, before they raised too.
+                _everyone(None, self.group)
         elif self.sharded:
             committed: str | None = None
             if self.commit is not None:
