@@ -71,6 +71,7 @@ class _BlockedTimer(pl.Callback):
         self.blocked: list[float] = []
         self.waited: list[float] = []  # of which: waiting for the save before (write, agreement, commit)
         self.started: list[float] = []  # of which: starting this one (staging copy included)
+        self.write_cpu: list[float] = []  # CPU seconds of each save's background thread on this rank
         self.staged_bytes = 0
         self.end_of_fit_s = 0.0
         self._end_started = 0.0
@@ -104,12 +105,17 @@ class _BlockedTimer(pl.Callback):
             self.staged_bytes = saves.last_staged_bytes
             self.waited.append(saves.last_wait_s)
             self.started.append(saves.last_start_s)
+            if len(self.started) > 1:  # this save finished the one before: its thread's CPU time is known
+                self.write_cpu.append(saves.last_write_cpu_s)
 
     def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._end_started = time.perf_counter()  # the strategy's on_train_end (the last commit) runs after this
 
     def on_fit_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.end_of_fit_s = time.perf_counter() - self._end_started
+        saves = getattr(trainer.strategy, "_async_saves", None)
+        if saves is not None and self.started:  # the last save, finished at the end of training
+            self.write_cpu.append(saves.last_write_cpu_s)
 
 
 def _remove(path: Path) -> None:
@@ -141,6 +147,7 @@ def measure(config: Config, name: str, state_dict_type: str, model: str, saves: 
             "blocked_s": timer.blocked,
             "waited_s": timer.waited,
             "started_s": timer.started,
+            "write_cpu_s": timer.write_cpu,
             "end_of_fit_s": timer.end_of_fit_s,
             "step_s": timer.step_s,
             "writing_at": timer.writing_at,

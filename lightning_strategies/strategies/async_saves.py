@@ -1,9 +1,12 @@
 """Asynchronous saves (``async_save=True``): the step loop waits only for the part of a save that needs the ranks.
 
-A save runs in two parts. In the foreground, on every rank: what needs the ranks together or the live state —
-gathering to rank 0 (full files) or this rank's shards — copied to the CPU (the *staging copy*), so that the next
-optimizer step may change the weights at once. In a background thread: the file writes (``torch.save`` of the copy on
-rank 0; each rank's files of a sharded directory, ``torch.distributed.checkpoint`` on a gloo group of its own).
+A save runs in two parts. In the foreground, on every rank: what needs the live state — this rank's part of it copied
+to the CPU (the *staging copy*: for a full file what each rank sends to rank 0, and on rank 0 the full tensors, which
+its own parts go straight into; for a sharded directory this rank's shards), so that the next optimizer step may
+change the weights at once. In a background thread, at a lower CPU priority (:mod:`.background_priority`): for a full
+file the gathers' transfers to rank 0 (held back by :class:`~.gather.DeferredTransfers`, run on a gloo group of their
+own) and ``torch.save`` on rank 0; each rank's files of a sharded directory (``torch.distributed.checkpoint`` on that
+gloo group).
 
 The save is then *pending*. The ranks agree on its outcome (one all-gather) and, when every rank's write succeeded,
 rank 0 commits it: a sharded directory gets ``meta.pt`` and is swapped into place only then; a full file is already in
@@ -23,7 +26,8 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -45,8 +49,9 @@ from lightning_strategies.checkpoint.sharded import (
 )
 
 from .._lightning import _PATH, _distributed_is_initialized, trainer_of
+from . import background_priority
 from .agreement import agree_on_sharded_save, require_same_save_path
-from .gather import is_fresh_copy
+from .gather import DeferredTransfers, deferring_transfers, is_fresh_copy
 
 if TYPE_CHECKING:
     from .base import DirectReferenceStrategy
@@ -138,7 +143,12 @@ class _Save:
     target: str
     sharded: bool
     write: Callable[[], None] | None  # dropped once run: the staging copy it holds is freed then
+    #: A full save's gathers' transfers, run by the background threads before the write (on :attr:`transfer_group`).
+    transfers: DeferredTransfers | None = None
+    transfer_group: Any = None
     thread: threading.Thread | None = None
+    native_id: int | None = None  # the background thread's, while its priority is lowered
+    cpu_s: float = 0.0  # CPU seconds the background thread used (its transfers, writes, agreement and commit)
     errors: list[BaseException] = field(default_factory=list)
     commit: Callable[[], None] | None = None
     discard: Callable[[], None] | None = None
@@ -158,6 +168,9 @@ class _Save:
         if self.failed:
             if self.discard is not None:
                 self.discard()
+            if self.sharded:  # the ranks leave together: one that raised at once and ended would have its launcher
+                # stop the others (SIGTERM) while rank 0 still removed the staging directory, before they raised too.
+                _everyone(None, self.group)
         elif self.sharded:
             committed: str | None = None
             if self.commit is not None:
@@ -183,7 +196,8 @@ class AsyncSaves:
         self._strategy = strategy
         self._pending: _Save | None = None
         self._removals: list[Callable[[], None]] = []
-        self._group: Any = None  # the gloo group background DCP writes run their collectives on
+        self._group: Any = None  # the gloo group background DCP writes and full saves' transfers run on
+        self._transfers = DeferredTransfers()  # the transfers the state being taken for a full save held back
         self._open = False  # between on_train_start and on_train_end: saves run asynchronously
         #: Bytes of tensors this rank copied for its last asynchronous save (its staging copy).
         self.last_staged_bytes = 0
@@ -191,6 +205,8 @@ class AsyncSaves:
         self.last_wait_s = 0.0
         #: Seconds the last asynchronous save took to start (agreement on the path, staging copy, thread start).
         self.last_start_s = 0.0
+        #: CPU seconds the background thread of the last finished save used on this rank (what it took from training).
+        self.last_write_cpu_s = 0.0
 
     @property
     def pending(self) -> bool:
@@ -210,16 +226,21 @@ class AsyncSaves:
     def open(self) -> None:
         """Saves from now on run asynchronously (the start of training: ``on_train_start``, on every rank).
 
-        Sharded saves get their gloo group here, where every rank is anyway, rather than in the first save (creating
-        a group takes a collective and a few hundred milliseconds on a busy machine): the background threads agree on
-        a save's outcome and commit it on that group (and DCP's writes run their collectives there).
+        The background threads get their gloo group here, where every rank is anyway, rather than in the first save
+        (creating a group takes a collective and a few hundred milliseconds on a busy machine): for sharded saves they
+        agree on a save's outcome and commit it on that group (and DCP's writes run their collectives there); for full
+        files they run there the transfers of the gathers to rank 0 (:meth:`holding_transfers`).
         """
         self._open = True
         strategy = self._strategy
-        if strategy._saves_sharded and _distributed_is_initialized():
+        if not _distributed_is_initialized() or torch.distributed.get_world_size() < 2:
+            return
+        if strategy._saves_sharded:
             sharded = strategy.sharded_format()
             if sharded is not None and sharded.writes_in_background:
                 self._background_group()
+        elif strategy.root_device.type == "cpu":  # gloo carries the held-back transfers of CPU tensors only
+            self._background_group()
 
     def _applies(self) -> bool:
         """Whether this save runs asynchronously: only between ``on_train_start`` and ``on_train_end``, where a later
@@ -228,6 +249,27 @@ class AsyncSaves:
         module = self._strategy.lightning_module
         trainer = trainer_of(module) if module is not None else None
         return self._open and _distributed_is_initialized() and trainer is not None and not trainer.interrupted
+
+    def drop_held_transfers(self) -> None:
+        """Forgets transfers held back for a save that never came (a save's state taken, then not saved): the start
+        of a save's state (``lightning_module_state_dict``), on every rank. Nothing was sent yet, so every rank drops
+        its own."""
+        if len(self._transfers):
+            log.warning("A full save's state was taken but not saved; its held-back gathers are dropped.")
+        self._transfers.drop()
+
+    @contextmanager
+    def holding_transfers(self) -> Iterator[None]:
+        """Around the taking of a full save's canonical state (``lightning_module_state_dict``, ``optimizer_state``):
+        when the save will run in the background, the gathers to rank 0 inside only copy what each rank sends to the
+        CPU and hold the transfers back for the background thread (:class:`~.gather.DeferredTransfers`), which runs
+        them on its own gloo group before rank 0 writes the file. Rank 0's gathered tensors are complete only then:
+        the state is meant for the save that follows."""
+        if self._strategy._saves_sharded or self._group is None or not self._applies():
+            yield
+            return
+        with deferring_transfers(self._transfers):
+            yield
 
     def save(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> bool:
         """Finishes the pending save, then starts this one in the background when it may be.
@@ -242,6 +284,7 @@ class AsyncSaves:
         self.finish()
         self.last_wait_s = time.perf_counter() - started
         if not self._applies():
+            self._run_held_transfers()  # the state's gathers complete here, before the synchronous write
             return False
         started = time.perf_counter()
         try:
@@ -254,6 +297,7 @@ class AsyncSaves:
         if strategy._saves_sharded:
             sharded = strategy._require_sharded_format()
             if not sharded.writes_in_background:  # the format cannot split its write: written synchronously
+                self._run_held_transfers()
                 return False
             directory = Path(filepath)
             save_id = agree_on_sharded_save(directory, new_save_id())
@@ -282,14 +326,25 @@ class AsyncSaves:
             )
             return True
         require_same_save_path(filepath)  # a rank's different path would be silently ignored
+        transfers, self._transfers = self._transfers, DeferredTransfers()
         full_writer: Callable[[], None] | None = None
+        self.last_staged_bytes = transfers.staged_bytes
         if strategy.is_global_zero:
             staged = staged_copy({**checkpoint, METADATA_KEY: strategy.checkpoint_metadata().to_dict()})
-            self.last_staged_bytes = staged_bytes(staged)
+            self.last_staged_bytes += staged_bytes(staged)
             io = strategy.sharded_checkpoint_io  # written in this thread: no AsyncCheckpointIO on top
             full_writer = partial(io.save_checkpoint, staged, filepath, storage_options=storage_options)
-        self._start_in_background(str(filepath), full_writer, sharded=False)
+        # Every rank's thread sends (or receives) its part of the gathers first, then rank 0's thread writes the file.
+        self._start_in_background(
+            str(filepath), full_writer, sharded=False, transfers=transfers if len(transfers) else None
+        )
         return True
+
+    def _run_held_transfers(self) -> None:
+        """Runs the transfers held back for this save in the foreground (a save that turned out synchronous)."""
+        transfers, self._transfers = self._transfers, DeferredTransfers()
+        if len(transfers):
+            transfers.run(self._group)
 
     def _start_in_background(
         self,
@@ -300,14 +355,19 @@ class AsyncSaves:
         commit: Callable[[], None] | None = None,
         discard: Callable[[], None] | None = None,
         group: Any = None,
+        transfers: DeferredTransfers | None = None,
     ) -> None:
-        save = _Save(target, sharded, write, commit=commit, discard=discard, group=group)
-        if write is not None:
+        save = _Save(target, sharded, write, transfers, self._group, commit=commit, discard=discard, group=group)
+        if write is not None or transfers is not None:
 
             def run() -> None:
+                cpu_started = time.thread_time()
+                save.native_id = background_priority.lower_this_thread()  # the ranks' steps keep their cores
                 writes, save.write = save.write, None
                 try:
                     try:
+                        if save.transfers is not None:  # outside the seam: a failed write never strands a peer
+                            save.transfers.run(save.transfer_group)
                         if writes is not None:
                             write_in_background(writes)
                     except BaseException as error:
@@ -323,6 +383,7 @@ class AsyncSaves:
                     except BaseException as error:  # the agreement itself failed (a peer gone): the save is lost
                         save.failed = [(-1, _described(error))]
                         save.agreed = True
+                save.cpu_s = time.thread_time() - cpu_started
 
             # A daemon: a run that failed does not wait at exit for a write nobody will commit.
             save.thread = threading.Thread(target=run, name=f"lightning_strategies async save {target}", daemon=True)
@@ -361,7 +422,9 @@ class AsyncSaves:
         if save is None:
             return
         if save.thread is not None:
+            background_priority.restore(save.native_id)  # the step loop waits for it now: no core to leave
             save.thread.join()
+            self.last_write_cpu_s = save.cpu_s
         if not save.agreed:  # a full file: the ranks agree here
             save.agree()
         error = save.errors[0] if save.errors else None
@@ -389,6 +452,7 @@ class AsyncSaves:
         save, self._pending = self._pending, None
         self._removals.clear()
         if save is not None and save.thread is not None:
+            background_priority.restore(save.native_id)
             save.thread.join(timeout)
             if save.thread.is_alive():
                 log.warning("The background write of %r is still running; it is left uncommitted.", save.target)

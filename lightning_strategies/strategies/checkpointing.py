@@ -95,12 +95,19 @@ class CheckpointFlow(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model state a checkpoint holds: by default :meth:`full_model_state`."""
+        """The model state a checkpoint holds: by default :meth:`full_model_state`.
+
+        Between ``on_train_start`` and ``on_train_end`` with ``async_save=True``, a full save's gathers hold their
+        transfers back for the save's background thread (``AsyncSaves.holding_transfers``): rank 0's tensors receive the
+        other ranks' parts only once the save that follows runs them. :meth:`full_model_state` always gathers at once.
+        """
         self.require_save_possible()  # the first thing a save asks for: before any of its collectives
         forget_fresh_copies()  # a save starts: only its own gathers' copies may be shared with its background write
+        self._async_saves.drop_held_transfers()
         if self._saves_sharded:  # every rank keeps its own part: no gather
             return self._require_sharded_format().model_state()
-        return self.full_model_state()
+        with self._async_saves.holding_transfers():  # an asynchronous save gathers in its background thread
+            return self.full_model_state()
 
     def full_model_state(self) -> dict[str, Any]:
         """Canonical model state on global rank 0 (the unwrapped module's keys, full CPU tensors); ``{}`` elsewhere.
@@ -121,12 +128,14 @@ class CheckpointFlow(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Canonical optimizer state (torch's integer-keyed layout over the whole model) on rank 0; ``{}`` elsewhere.
 
-        Every rank must call it: sharded optimizers gather with collectives.
+        Every rank must call it: sharded optimizers gather with collectives. With ``async_save=True`` during training
+        the gathers' transfers wait for the save that follows, as in :meth:`lightning_module_state_dict`.
         """
         raw = raw_optimizer(optimizer)
         if self._saves_sharded:
             return self._require_sharded_format().optimizer_state(raw)
-        state = self._canonical_optimizer_state(raw)
+        with self._async_saves.holding_transfers():  # an asynchronous save gathers in its background thread
+            state = self._canonical_optimizer_state(raw)
         return state if self.is_global_zero else {}
 
     def _canonical_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -7,14 +7,18 @@
 
 Tensors gathered for a checkpoint are private CPU copies that nothing else holds or changes. The gathers record them
 (:func:`is_fresh_copy`), so that an asynchronous save shares them with its background write instead of copying
-them again; a save forgets them when it ends (:func:`forget_fresh_copies`). Cutting full tensors back into shards
-needs no communication and lives in :mod:`lightning_strategies.checkpoint.flat`.
+them again; a save forgets them when it ends (:func:`forget_fresh_copies`). An asynchronous save also holds back the
+transfers of the gathers to rank 0 for its background thread (:class:`DeferredTransfers`): the step loop waits only for
+each rank's CPU copy of what it sends. Cutting full tensors back into shards needs no communication and lives in
+:mod:`lightning_strategies.checkpoint.flat`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from math import prod
 from typing import Any, NamedTuple
 
@@ -87,6 +91,86 @@ def fresh_copy_count() -> int:
     return len(_fresh_copies)
 
 
+# ---------------------------------------------------------------------------------------------- deferred transfers
+
+
+class DeferredTransfers:
+    """The transfers of gathers to rank 0 that an asynchronous save holds back for its background thread.
+
+    Inside :func:`deferring_transfers`, :func:`gather_full`, :func:`gather_many_to_rank0` and
+    :func:`gather_owned_to_rank0` do on each rank only what must happen before training changes the live tensors: a
+    rank copies what it will send to the CPU, and rank 0 copies its own part straight into the full tensors, which it
+    allocates at once and returns as it would return the gathered ones. The transfers (and rank 0's cutting of what it
+    receives into those tensors) are kept here, in the order of the calls, and run by :meth:`run` on a group of the
+    same ranks: until then rank 0's full tensors hold its own parts only. Only CPU tensors on a group of every rank in
+    rank order are held back (the background thread's gloo group stands in for that group); anything else is gathered
+    at once, as outside.
+    """
+
+    def __init__(self) -> None:
+        self._steps: list[Callable[[Any], None]] = []
+        #: Bytes this rank copied to send later (what it holds for the transfers beyond rank 0's full tensors).
+        self.staged_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def add(self, step: Callable[[Any], None], sends: Tensor | None = None) -> None:
+        """Holds back ``step``, a transfer that takes the process group it runs on; ``sends``: the copy it sends."""
+        self._steps.append(step)
+        if sends is not None:
+            self.staged_bytes += sends.numel() * sends.element_size()
+
+    def run(self, group: Any) -> None:
+        """Runs the held transfers in order on ``group`` and forgets them (a collective: every rank runs its own).
+
+        Args:
+            group: A process group of every rank, in rank order (the background thread's gloo group).
+        """
+        steps, self._steps = self._steps, []
+        for step in steps:
+            step(group)
+
+    def drop(self) -> None:
+        """Forgets the held transfers without running them (every rank must drop its own: nothing was sent yet)."""
+        self._steps.clear()
+        self.staged_bytes = 0
+
+
+# The transfers being held back (at most one), while a save's state is taken inside `deferring_transfers`.
+_holding: list[DeferredTransfers] = []
+
+
+@contextmanager
+def deferring_transfers(deferred: DeferredTransfers) -> Iterator[DeferredTransfers]:
+    """Within the block, gathers to rank 0 that can be hold back their transfers in ``deferred`` (see
+    :class:`DeferredTransfers`); rank 0's results are complete only once ``deferred.run`` has run on every rank."""
+    _holding.append(deferred)
+    try:
+        yield deferred
+    finally:
+        _holding.remove(deferred)
+
+
+def _deferred_for(group: Any, device: torch.device) -> DeferredTransfers | None:
+    """The transfers a gather on ``group`` over ``device`` holds back in, or ``None``: it transfers at once."""
+    if not _holding or device.type != "cpu":
+        return None
+    if group is not None and dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):
+        return None  # a subgroup, or other ranks' order: the background group could not stand in for it
+    return _holding[-1]
+
+
+def _now_or_later(
+    deferred: DeferredTransfers | None, step: Callable[[Any], None], group: Any, sends: Tensor | None = None
+) -> None:
+    """Runs ``step`` on ``group`` now, or holds it back in ``deferred`` (which later runs it on its own group)."""
+    if deferred is None:
+        step(group)
+    else:
+        deferred.add(step, sends)
+
+
 # ---------------------------------------------------------------------------------------------- one flat shard
 
 
@@ -105,12 +189,21 @@ def gather_full(shard: Tensor, numel: int, group: Any = None) -> Tensor | None:
     world_size = dist.get_world_size(group)
     destination = dist.get_global_rank(group, 0) if group is not None else 0
     is_destination = dist.get_rank() == destination
+    deferred = _deferred_for(group, shard.device)
     if not is_destination:
-        gather_into(shard.contiguous(), None, destination, group)
+        sent = shard.contiguous()
+        if deferred is not None:  # sent later, when training has changed the live shard: a copy of it now
+            sent = sent.clone()
+        _now_or_later(deferred, partial(gather_into, sent, None, destination), group, sent)
         return None
     # The chunks are views of one buffer: the full tensor exists once, not once as chunks and again concatenated.
     full = torch.empty(world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
-    gather_into(shard.contiguous(), list(full.chunk(world_size)), destination, group)
+    chunks = list(full.chunk(world_size))
+    own = shard.contiguous()
+    if deferred is not None:  # this rank's part copied into its chunk now; the transfer later finds it in place
+        own = chunks[dist.get_rank(group)]
+        own.copy_(shard)
+    _now_or_later(deferred, partial(gather_into, own, chunks, destination), group)
     return mark_fresh_copy(full[:numel])
 
 
@@ -218,14 +311,21 @@ class _Bucket:
 
 class _Scratch:
     """One buffer per device that every bucket of one gather packs into (and rank 0 receives into), grown as needed:
-    a new buffer per bucket would leave the allocator's heap fragmented (measured: 10 MB more at the peak of a save)."""
+    a new buffer per bucket would leave the allocator's heap fragmented (measured: 10 MB more at the peak of a save).
+
+    While transfers are held back (:class:`DeferredTransfers`) every ``take`` is a buffer of its own instead: each
+    bucket's buffer must stay as it is until its transfer runs.
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[torch.device, Tensor] = {}
+        self._private = bool(_holding)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A 1-D tensor of ``numel`` elements of ``dtype`` in the buffer (valid until the next ``take``)."""
         nbytes = numel * dtype.itemsize
+        if self._private:
+            return torch.empty(numel, dtype=dtype, device=device)
         buffer = self._buffers.get(device)
         if buffer is None or buffer.numel() < nbytes:
             self._buffers.pop(device, None)  # the smaller buffer goes before the larger one is allocated
@@ -233,15 +333,16 @@ class _Scratch:
         return buffer[:nbytes].view(dtype)
 
 
-def _packed_shards(bucket: _Bucket, into: Tensor | None, scratch: _Scratch) -> Tensor:
+def _packed_shards(bucket: _Bucket, into: Tensor | None, scratch: _Scratch, private: bool = False) -> Tensor:
     """This rank's shards of the bucket's DTensors, each padded to its chunk size, one after another: in ``into``
-    when given, else in ``scratch`` (or, for one unpadded shard, the shard itself)."""
+    when given, else in ``scratch`` (or, for one unpadded shard, the shard itself; a copy of it when ``private``)."""
     locals_: list[Tensor] = [value.to_local() for value in bucket.values]
     pieces = [bucket.piece(value) for value in bucket.values]
     if into is not None:
         packed = into
     elif len(locals_) == 1 and locals_[0].shape[0] == bucket.rows(bucket.values[0], bucket.world_size):
-        return locals_[0].detach().contiguous().view(-1)  # one unpadded shard: sent as it is, no copy
+        shard = locals_[0].detach().contiguous().view(-1)  # one unpadded shard: sent as it is, no copy
+        return shard.clone() if private else shard
     else:
         packed = scratch.take(sum(pieces), locals_[0].dtype, locals_[0].device)
     offset = 0
@@ -256,15 +357,17 @@ def _packed_shards(bucket: _Bucket, into: Tensor | None, scratch: _Scratch) -> T
 
 def _gather_bucket(bucket: _Bucket, scratch: _Scratch) -> list[Tensor] | None:
     """One transfer: every rank's packed shards to the group's first rank, which cuts out the full tensors (on the
-    CPU, each in a storage of its own, recorded as fresh copies); ``None`` on the other ranks."""
+    CPU, each in a storage of its own, recorded as fresh copies); ``None`` on the other ranks. While transfers are
+    held back, the transfer and the cutting are (:class:`DeferredTransfers`)."""
     world_size = bucket.world_size
     destination = dist.get_global_rank(bucket.group, 0)
-    if dist.get_rank() != destination:
-        packed = _packed_shards(bucket, None, scratch)
-        if packed.numel() > 0:
-            gather_into(packed, None, destination, bucket.group)
-        return None
     first = bucket.values[0].to_local()
+    deferred = _deferred_for(bucket.group, first.device)
+    if dist.get_rank() != destination:
+        packed = _packed_shards(bucket, None, scratch, private=deferred is not None)
+        if packed.numel() > 0:
+            _now_or_later(deferred, partial(gather_into, packed, None, destination), bucket.group, packed)
+        return None
     size = sum(bucket.piece(value) for value in bucket.values)
     if len(bucket.values) == 1:  # received into a buffer of its own, which becomes the result
         received = torch.empty(world_size * size, dtype=first.dtype, device=first.device)
@@ -273,25 +376,29 @@ def _gather_bucket(bucket: _Bucket, scratch: _Scratch) -> list[Tensor] | None:
     chunks = [received[rank * size : (rank + 1) * size] for rank in range(world_size)]
     own = chunks[dist.get_rank(bucket.group)]
     packed = _packed_shards(bucket, own, scratch)  # this rank's part straight into its chunk
-    if size > 0:
-        gather_into(packed, chunks, destination, bucket.group)
     if len(bucket.values) == 1:  # the received buffer is the padded full tensor: no copy on the CPU
+        if size > 0:
+            _now_or_later(deferred, partial(gather_into, packed, chunks, destination), bucket.group)
         value = bucket.values[0]
         full = received.view(world_size * bucket.rows(value, world_size), *value.shape[1:])[: value.shape[0]]
         return [mark_fresh_copy(full if full.device.type == "cpu" else full.cpu())]
-    fulls: list[Tensor] = []
-    offset = 0
-    for value in bucket.values:
-        rows, row_shape = bucket.rows(value, world_size), tuple(value.shape[1:])
-        full = torch.empty(value.shape, dtype=value.dtype, device="cpu")
-        for rank, chunk in enumerate(chunks):
-            held = max(0, min(rows, int(value.shape[0]) - rank * rows))  # torch.chunk: the last ranks hold fewer
-            if held:
-                part = chunk[offset : offset + held * prod(row_shape)].view(held, *row_shape)
-                full[rank * rows : rank * rows + held].copy_(part)
-        fulls.append(mark_fresh_copy(full))
-        offset += bucket.piece(value)
-    return fulls
+    fulls = [torch.empty(value.shape, dtype=value.dtype, device="cpu") for value in bucket.values]
+
+    def receive_and_cut(group: Any) -> None:
+        if size > 0:
+            gather_into(packed, chunks, destination, group)
+        offset = 0
+        for value, full in zip(bucket.values, fulls, strict=True):
+            rows, row_shape = bucket.rows(value, world_size), tuple(value.shape[1:])
+            for rank, chunk in enumerate(chunks):
+                held = max(0, min(rows, int(value.shape[0]) - rank * rows))  # torch.chunk: the last ranks hold fewer
+                if held:
+                    part = chunk[offset : offset + held * prod(row_shape)].view(held, *row_shape)
+                    full[rank * rows : rank * rows + held].copy_(part)
+            offset += bucket.piece(value)
+
+    _now_or_later(deferred, receive_and_cut, bucket.group)
+    return [mark_fresh_copy(full) for full in fulls]
 
 
 def gather_many_to_rank0(
@@ -432,12 +539,15 @@ def gather_owned_to_rank0(
     """
     rank = dist.get_rank()
     scratch = _Scratch()
+    deferred = _deferred_for(None, device)
     if specs is None:
         own = [TensorSpec(tuple(tensor.shape), tensor.dtype) for tensor in owned]
         for positions in _buckets_of(own, bucket_bytes, alone_bytes):
             tensors = [owned[position].detach() for position in positions]
             if len(tensors) == 1 and tensors[0].device == device:
-                packed = tensors[0].contiguous().view(-1)  # sent as it is, no copy
+                packed = tensors[0].contiguous().view(-1)  # sent as it is, no copy (but for a later transfer)
+                if deferred is not None:
+                    packed = packed.clone()
             else:
                 packed = scratch.take(sum(tensor.numel() for tensor in tensors), tensors[0].dtype, device)
                 offset = 0
@@ -445,7 +555,7 @@ def gather_owned_to_rank0(
                     packed[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
                     offset += tensor.numel()
             if packed.numel() > 0:
-                dist.send(packed, dst=0)
+                _now_or_later(deferred, partial(_send_to_rank0, packed), None, packed)
         return None
     gathered: list[list[Tensor]] = []
     for source, ranks_specs in enumerate(specs):
@@ -460,14 +570,28 @@ def gather_owned_to_rank0(
                 buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
             else:  # received into the scratch buffer, cut out below
                 buffer = scratch.take(sum(sizes), dtype, device)
-            if buffer.numel() > 0:
-                dist.recv(buffer, src=source)
             if len(positions) == 1 and buffer.device.type == "cpu":  # the buffer is the tensor: no copy
                 parts = [buffer]
             else:
-                parts = [part.to("cpu", copy=True) for part in torch.split(buffer, sizes)]
+                parts = [torch.empty(size, dtype=dtype, device="cpu") for size in sizes]
+            _now_or_later(deferred, partial(_receive_from, source, buffer, parts, sizes), None)
             del buffer
             for position, part in zip(positions, parts, strict=True):
                 received_tensors[position] = mark_fresh_copy(part.view(ranks_specs[position].shape))
         gathered.append([tensor for tensor in received_tensors if tensor is not None])
     return gathered
+
+
+def _send_to_rank0(packed: Tensor, group: Any) -> None:
+    dist.send(packed, dst=0, group=group)
+
+
+def _receive_from(source: int, buffer: Tensor, parts: list[Tensor], sizes: list[int], group: Any) -> None:
+    """Receives one bucket of ``source``'s tensors into ``buffer`` and copies it into ``parts`` (unless the buffer is
+    the one part)."""
+    if buffer.numel() > 0:
+        dist.recv(buffer, src=source, group=group)
+    if len(parts) == 1 and parts[0].data_ptr() == buffer.data_ptr():
+        return
+    for part, piece in zip(parts, torch.split(buffer, sizes), strict=True):
+        part.copy_(piece)

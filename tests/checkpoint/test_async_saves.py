@@ -9,6 +9,8 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,11 +24,18 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 
 from lightning_strategies import AsyncSaveError
 from lightning_strategies.checkpoint.sharded import open_sharded, sharded_directory
-from lightning_strategies.strategies import async_saves
+from lightning_strategies.strategies import async_saves, background_priority
 from lightning_strategies.strategies.async_saves import staged_bytes, staged_copy
 from lightning_strategies.strategies.atomic_io import AtomicTorchCheckpointIO
+from lightning_strategies.strategies.background_priority import BACKGROUND_NICENESS, restore
 from lightning_strategies.strategies.base import DirectReferenceStrategy
-from lightning_strategies.strategies.gather import forget_fresh_copies, fresh_copy_count, is_fresh_copy, mark_fresh_copy
+from lightning_strategies.strategies.gather import (
+    DeferredTransfers,
+    forget_fresh_copies,
+    fresh_copy_count,
+    is_fresh_copy,
+    mark_fresh_copy,
+)
 from lightning_strategies.testing import SaveAfterRestore
 from tests.conftest import free_loopback_port, write_json
 from tests.support.helpers import (
@@ -479,3 +488,97 @@ def test_an_async_full_save_shares_the_gathered_state_instead_of_copying_it(tmp_
         assert staged < small
     else:  # the gathered flat shards are shared; buffers and Adam's step counts are small copies
         assert staged < (model + optimizer) / 4
+
+
+@pytest.mark.parametrize("name", ["ddp_sharded", "fsdp_fairscale", "fsdp2"])
+def test_an_async_full_save_gathers_to_rank0_in_the_background_thread_of_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    run = DeferredTransfers.run
+
+    def recording_run(self: DeferredTransfers, group: Any) -> None:
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        with (tmp_path / f"transfers.{dist.get_rank()}").open("a") as file:
+            file.write(json.dumps({"held": len(self), "main_thread": on_main_thread}) + "\n")
+        run(self, group)
+
+    monkeypatch.setattr(DeferredTransfers, "run", recording_run)  # the forked ranks inherit it
+    directory = tmp_path / "checkpoints"
+    fit(
+        strategy(name, "full"),
+        new_model(),
+        callbacks=[ModelCheckpoint(dirpath=directory, filename="{epoch}")],
+        enable_checkpointing=True,
+        max_epochs=1,
+        **TINY,
+    )
+
+    for rank in range(2):
+        runs = [json.loads(line) for line in (tmp_path / f"transfers.{rank}").read_text().splitlines()]
+        assert runs == [{"held": runs[0]["held"], "main_thread": False}]  # the one save's transfers, off the step loop
+        assert runs[0]["held"] > 0
+    assert_complete(directory / "epoch=0.ckpt")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have priorities of their own on Linux only")
+def test_the_background_write_runs_at_a_lower_cpu_priority_than_the_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recorded = threading.Event()  # each forked rank has its own
+
+    def recording_priorities(files: Callable[[], None]) -> None:
+        writer = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        steps = os.getpriority(os.PRIO_PROCESS, os.getpid())  # the main thread's id is the process's
+        write_json(tmp_path / f"priority.{dist.get_rank()}", {"writer": writer, "steps": steps})
+        recorded.set()
+        files()
+
+    def restore_once_recorded(native_id: int | None) -> None:  # the step loop may wait for the write before it ran
+        if dist.get_rank() == 0:  # rank 0 writes the full file
+            recorded.wait(timeout=60)
+        restore(native_id)
+
+    monkeypatch.setattr(async_saves, "write_in_background", recording_priorities)  # the forked ranks inherit it
+    monkeypatch.setattr(background_priority, "restore", restore_once_recorded)
+    directory = tmp_path / "checkpoints"
+    fit(
+        strategy("fsdp2", "full"),
+        new_model(),
+        callbacks=[ModelCheckpoint(dirpath=directory, filename="{epoch}")],
+        enable_checkpointing=True,
+        max_epochs=1,
+        **TINY,
+    )
+
+    priority = json.loads((tmp_path / "priority.0").read_text())  # rank 0 writes the full file
+    assert priority["writer"] == min(19, priority["steps"] + BACKGROUND_NICENESS)
+    assert_complete(directory / "epoch=0.ckpt")
+
+
+class TakeStateWithoutSaving(pl.Callback):
+    """After the first step, takes the checkpoint's model state on every rank and saves nothing (as a callback that
+    reads ``lightning_module_state_dict()`` would)."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 1:
+            trainer.strategy.lightning_module_state_dict()
+
+
+@pytest.mark.parametrize("name", ["fsdp_fairscale", "fsdp2"])  # their model states are gathered
+def test_a_full_state_taken_without_a_save_leaves_the_next_async_save_as_a_synchronous_one(
+    tmp_path: Path, name: str
+) -> None:
+    saved = {}
+    for kind, async_save in (("sync", False), ("async", True)):
+        directory = tmp_path / kind
+        fit(
+            strategy(name, "full", async_save=async_save),
+            new_model(),
+            callbacks=[TakeStateWithoutSaving(), ModelCheckpoint(dirpath=directory, filename="{epoch}")],
+            enable_checkpointing=True,
+            max_epochs=1,
+            **TINY,
+        )
+        saved[kind] = directory / "epoch=0.ckpt"
+
+    assert_same_checkpoint_state(saved["sync"], saved["async"])  # the held-back gathers of the state were dropped
