@@ -12,7 +12,8 @@
 the unified ``lightning`` package only) runs ``tests/both_packages`` (conformance kit, cross-strategy resumes,
 cross-package checkpoints) but for its tests marked ``flavour_independent``; ``newest`` and ``oldest``
 (``.venv-newest``, ``.venv-oldest``: the ends of the ranges ``pyproject.toml`` declares, torch's CUDA build from
-pypi.org run on the CPU) run ``tests/both_packages`` and the differential fuzzer's CI examples. Their environments are
+pypi.org run on the CPU) run ``tests/both_packages``, the differential fuzzer's CI examples and the checkpoint IO
+plugin tests (``VERSION_LEG_TESTS``). Their environments are
 built in the background while the pinned leg runs (their logs: ``.venv-newest.log``, ``.venv-oldest.log``).
 ``demo`` needs only ``.venv``. Extra arguments go to the demo or to pytest (pinned leg only), e.g.
 ``python3 dev.py test -k sharded``.
@@ -89,7 +90,13 @@ LIGHTNING_ENV = Environment(ROOT / ".venv-lightning", "lightning", "lightning")
 NEWEST_ENV = Environment(ROOT / ".venv-newest", "pytorch-lightning", "newest", torch="2.15.0", lightning="2.6.6")
 OLDEST_ENV = Environment(ROOT / ".venv-oldest", "pytorch-lightning", "oldest", torch="2.11.0", lightning="2.4.0")
 # What the version legs run: the strategies across each other, the resume matrix and the fuzzer's CI examples.
-VERSION_LEG_TESTS = ("tests/both_packages", "tests/test_differential_fuzzer.py")
+VERSION_LEG_TESTS = (
+    "tests/both_packages",
+    "tests/test_differential_fuzzer.py",
+    # Where Lightning's checkpoint IO differs between releases (weights_only, AsyncCheckpointIO's writer thread).
+    "tests/checkpoint/test_security.py",
+    "tests/checkpoint/test_async_checkpoint_io.py",
+)
 VERSION_LEG_TESTS_ENVIRONMENTS = (NEWEST_ENV, OLDEST_ENV)
 
 

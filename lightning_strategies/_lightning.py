@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     import pytorch_lightning as pl
     from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
     from lightning_fabric.strategies.registry import _StrategyRegistry
+    from lightning_fabric.utilities.cloud_io import _load as _load_with_fsspec
+    from lightning_fabric.utilities.cloud_io import get_filesystem
     from lightning_fabric.utilities.distributed import (
         _distributed_is_initialized,
         _get_default_process_group_backend_for_device,
@@ -65,6 +68,8 @@ else:
     CheckpointIO = _load(_FABRIC, "plugins", "CheckpointIO")
     ClusterEnvironment = _load(_FABRIC, "plugins", "ClusterEnvironment")
     _StrategyRegistry = _load(_FABRIC, "strategies.registry", "_StrategyRegistry")
+    _load_with_fsspec = _load(_FABRIC, "utilities.cloud_io", "_load")
+    get_filesystem = _load(_FABRIC, "utilities.cloud_io", "get_filesystem")
     _distributed_is_initialized = _load(_FABRIC, "utilities.distributed", "_distributed_is_initialized")
     _get_default_process_group_backend_for_device = _load(
         _FABRIC, "utilities.distributed", "_get_default_process_group_backend_for_device"
@@ -102,9 +107,9 @@ else:
 def load_weights_only(load: Callable[..., dict[str, Any]], path: _PATH, **options: Any) -> dict[str, Any]:
     """Calls a ``CheckpointIO.load_checkpoint`` (bound method) with ``weights_only=True`` where it takes that argument.
 
-    Lightning's plugins take ``weights_only`` from 2.5 on. Those of 2.4 have no such argument and load with
-    ``torch.load``'s default, which is ``weights_only=True`` from torch 2.6 on (this package needs torch 2.11 or newer),
-    so leaving the argument out loads the same way.
+    Lightning's plugins take ``weights_only`` from 2.5 on. Those of 2.4 have no such argument: they are called as
+    Lightning 2.4 calls them and load as they do (its ``TorchCheckpointIO`` unpickles anything; this package's default
+    plugin reads weights-only through :func:`load_file_weights_only` on every Lightning).
     """
     try:
         takes_weights_only = "weights_only" in inspect.signature(load).parameters
@@ -126,6 +131,34 @@ def autocast_caches_casts(plugin: Precision, device_type: str) -> bool:
     """
     with plugin.train_step_context():
         return torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled()
+
+
+def load_file_weights_only(path: _PATH, map_location: Any) -> dict[str, Any]:
+    """What ``TorchCheckpointIO.load_checkpoint(path, map_location, weights_only=True)`` does from Lightning 2.5 on, on
+    every Lightning: 2.4's takes no ``weights_only`` and its loader defaults to ``weights_only=False``.
+
+    Raises:
+        FileNotFoundError: Nothing is at ``path`` (local or remote).
+    """
+    if not get_filesystem(path).exists(path):
+        raise FileNotFoundError(f"Checkpoint file not found: {path}")
+    loaded: dict[str, Any] = _load_with_fsspec(path, map_location=map_location, weights_only=True)
+    return loaded
+
+
+def join_background_writes(io: AsyncCheckpointIO) -> None:
+    """Waits for the writes ``io`` runs in its background thread and leaves it able to write again.
+
+    Raises:
+        BaseException: The error of a write that failed, as ``io.teardown()`` raises it.
+    """
+    try:
+        io.teardown()
+    finally:
+        # Lightning 2.5 and newer start a new writer at the next save (`_ensure_setup`); 2.4 makes its executor once in
+        # `__init__`, and a save after `teardown` would fail with "cannot schedule new futures after shutdown".
+        if not hasattr(io, "_ensure_setup"):
+            io._executor = ThreadPoolExecutor(max_workers=1)
 
 
 def evaluate_under_no_grad(trainer: pl.Trainer) -> None:
@@ -301,9 +334,11 @@ __all__ = [
     "given_checkpoint_io",
     "given_precision_plugin",
     "is_overridden",
+    "join_background_writes",
     "last_saved_checkpoint",
     "launched_strategy",
     "layer_sync_of",
+    "load_file_weights_only",
     "load_weights_only",
     "pl",
     "raw_optimizer",

@@ -21,6 +21,8 @@ from .._lightning import (
     CheckpointIO,
     TorchCheckpointIO,
     _WrappingCheckpointIO,
+    join_background_writes,
+    load_file_weights_only,
     load_weights_only,
 )
 
@@ -79,8 +81,7 @@ class AtomicTorchCheckpointIO(TorchCheckpointIO):
         if mmap and can_map(path):
             mapped: dict[str, Any] = load_mapped(path, map_location=map_location)
             return mapped
-        loaded = load_weights_only(super().load_checkpoint, path, map_location=map_location)
-        return loaded
+        return load_file_weights_only(path, map_location)
 
 
 def _loading_io(io: CheckpointIO) -> CheckpointIO:
@@ -148,5 +149,5 @@ def finish_background_writes(io: CheckpointIO) -> None:
     layer: CheckpointIO | None = io
     while isinstance(layer, _WrappingCheckpointIO):
         if isinstance(layer, AsyncCheckpointIO):
-            layer.teardown()  # joins its writer thread; the next write starts a new one
+            join_background_writes(layer)
         layer = layer.checkpoint_io
