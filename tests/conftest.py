@@ -53,7 +53,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    if pyfuncitem.config.stash[_ISOLATING]:
+    # A process group its fixtures started stays with this process: its threads would not be in a fork.
+    if pyfuncitem.config.stash[_ISOLATING] and not (dist.is_available() and dist.is_initialized()):
         return fork_safety.run_in_fork(pyfuncitem)
     return None
 

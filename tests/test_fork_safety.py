@@ -138,3 +138,39 @@ def test_a_failing_body_fails_its_test_with_the_bodys_traceback(tmp_path: Path) 
     )
 
     assert "1 failed" in result.stdout and "arithmetic in the fork" in result.stdout, result.stdout + result.stderr
+
+
+def test_a_body_whose_fixture_started_a_process_group_runs_where_the_groups_threads_are(tmp_path: Path) -> None:
+    (tmp_path / "test_group.py").write_text(
+        textwrap.dedent(
+            """
+            import pytest, torch, torch.distributed as dist
+            from tests.conftest import free_loopback_port
+
+            @pytest.fixture
+            def group():
+                address = f"tcp://127.0.0.1:{free_loopback_port()}"
+                dist.init_process_group("gloo", init_method=address, rank=0, world_size=1)
+                yield
+                dist.destroy_process_group()
+
+            def test_all_reduce(group):
+                tensor = torch.ones(2)
+                dist.all_reduce(tensor)
+                assert tensor.tolist() == [1.0, 1.0]
+            """
+        )
+    )
+    env = {**os.environ, fork_safety.ISOLATION_VARIABLE: "1"}
+    command = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-q", "-p", "no:xdist", "-c", os.devnull]
+
+    result = subprocess.run(
+        [*command, "--timeout", "60", "--rootdir", str(tmp_path), str(tmp_path / "test_group.py")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+    assert "1 passed" in result.stdout, result.stdout + result.stderr

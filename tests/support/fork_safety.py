@@ -9,11 +9,12 @@ a fresh interpreter runs a backward pass through ``fully_shard``, forks, and the
 (:func:`fork_after_backward_works`). On a machine without a GPU, CUDA builds of torch 2.11 and 2.15 fail it too.
 
 Where the probe fails, every test body runs in a fork of the pytest process taken before the body runs
-(:func:`run_in_fork`): the pytest process itself never runs backward, so each test forks its ranks from a process
-that has not either, and a test's own in-process training cannot break the forks of later tests. A test that trains
-in its own process *and then* forks ranks needs a fresh process for those ranks (``spawn`` or a subprocess) on such
-machines; ``LIGHTNING_STRATEGIES_EMULATE_BAD_FORK=1`` makes this CPU machine refuse such forks the way a CUDA build
-does (:func:`emulate_bad_fork`), so those tests are found here, not on the lent GPU.
+(:func:`run_in_fork`; a test whose fixtures started a process group runs in the pytest process, since the group's
+threads would not be in the fork): the pytest process itself never runs backward, so each test forks its ranks from
+a process that has not either, and a test's own in-process training cannot break the forks of later tests. A test
+that trains in its own process *and then* forks ranks needs a fresh process for those ranks (``spawn`` or a
+subprocess) on such machines; ``LIGHTNING_STRATEGIES_EMULATE_BAD_FORK=1`` makes this CPU machine refuse such forks
+the way a CUDA build does (:func:`emulate_bad_fork`), so those tests are found here, not on the lent GPU.
 
 Environment variables:
     ``LIGHTNING_STRATEGIES_FORK_ISOLATION``: ``1`` runs every test body in its own fork, ``0`` never; unset, the
