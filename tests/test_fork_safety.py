@@ -19,9 +19,14 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.flavour_independent
 
 
+def _without_this_sessions_choices() -> dict[str, str]:
+    """This process's environment without the suite's own variables (an emulated run of the suite, a forced isolation,
+    the probe's answer): each case sets what it is about."""
+    return {name: value for name, value in os.environ.items() if not name.startswith("LIGHTNING_STRATEGIES_")}
+
+
 def _python(source: str, **environment: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **environment}
-    env.pop("LIGHTNING_STRATEGIES_FORK_AFTER_BACKWARD", None)
+    env = {**_without_this_sessions_choices(), **environment}
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(source)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
@@ -97,8 +102,7 @@ _TWO_TESTS = """
 
 def _pytest_with_the_suites_hooks(tmp_path: Path, **environment: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_two.py").write_text(textwrap.dedent(_TWO_TESTS))
-    env = {**os.environ, "LIGHTNING_STRATEGIES_EMULATE_BAD_FORK": "1", **environment}
-    env.pop("LIGHTNING_STRATEGIES_FORK_AFTER_BACKWARD", None)
+    env = {**_without_this_sessions_choices(), "LIGHTNING_STRATEGIES_EMULATE_BAD_FORK": "1", **environment}
     command = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-q", "-rs", "-p", "no:randomly"]
     return subprocess.run(
         [*command, "--rootdir", str(tmp_path), "-c", os.devnull, "-p", "no:xdist", str(tmp_path / "test_two.py")],
@@ -125,7 +129,7 @@ def test_without_isolation_a_test_that_trained_breaks_the_forks_of_the_next(tmp_
 
 def test_a_failing_body_fails_its_test_with_the_bodys_traceback(tmp_path: Path) -> None:
     (tmp_path / "test_fails.py").write_text("def test_fails():\n    assert 1 + 1 == 3, 'arithmetic in the fork'\n")
-    env = {**os.environ, fork_safety.ISOLATION_VARIABLE: "1"}
+    env = {**_without_this_sessions_choices(), fork_safety.ISOLATION_VARIABLE: "1"}
     command = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-q", "-p", "no:xdist", "-c", os.devnull]
 
     result = subprocess.run(
@@ -161,7 +165,7 @@ def test_a_body_whose_fixture_started_a_process_group_runs_where_the_groups_thre
             """
         )
     )
-    env = {**os.environ, fork_safety.ISOLATION_VARIABLE: "1"}
+    env = {**_without_this_sessions_choices(), fork_safety.ISOLATION_VARIABLE: "1"}
     command = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-q", "-p", "no:xdist", "-c", os.devnull]
 
     result = subprocess.run(
