@@ -10,6 +10,10 @@ fresh run resumes from A's first checkpoint and trains to the end of the second 
 * every checkpoint of the matrix (A's, and B's final one) loads with plain ``torch.load(weights_only=True)`` and
   ``LightningModule.load_from_checkpoint(strict=True)``.
 
+The calling process never trains: multi-process strategies fork their ranks from it, and the default
+``single_device`` cells run in a child (:func:`~lightning_strategies.testing.child.in_a_child_process`), because a
+CUDA build of torch refuses backward in a fork of a process that ran one.
+
 ``python -m lightning_strategies.testing.matrix --out docs/resume-matrix.md`` regenerates the table for the docs.
 """
 
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 
 from .._lightning import ModelCheckpoint, pl
+from .child import in_a_child_process
 from .conformance import Launch, StrategyFactory
 from .models import ConformanceModel, OptimizerName
 from .state import SaveAfterRestore, max_state_difference
@@ -275,7 +280,8 @@ def run_matrix(
 def default_strategies() -> list[MatrixStrategy]:
     """Every strategy this package ships, plus upstream ``single_device`` and ``ddp``."""
     return [
-        MatrixStrategy("single_device", lambda: "single_device", devices=1),
+        # In a child: the ranks of the other strategies fork from this process, which must not have run backward.
+        MatrixStrategy("single_device", lambda: "single_device", devices=1, launch=in_a_child_process),
         MatrixStrategy("ddp", lambda: "ddp_fork"),
         MatrixStrategy("ddp_sharded", lambda: "ddp_sharded_fork"),
         MatrixStrategy("fsdp_fairscale", lambda: "fsdp_fairscale_fork"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def test_bf16_mixed_precision_checkpoints_cross_between_strategies(
     tmp_path: Path, record_property: Callable[[str, object], None]
 ) -> None:
     strategies = [
-        MatrixStrategy(f"{strategy.label} bf16", strategy.factory, strategy.devices, precision="bf16-mixed")
+        dataclasses.replace(strategy, label=f"{strategy.label} bf16", precision="bf16-mixed")
         for strategy in default_strategies()
         if strategy.label in ("single_device", "ddp", "ddp_sharded", "fsdp_fairscale", "fsdp2")
     ]
