@@ -21,6 +21,11 @@ def test_returns_what_the_function_returned_in_the_child() -> None:
     assert in_a_child_process(os.getpid) != os.getpid()
 
 
+def test_a_result_json_cannot_carry_is_an_error_naming_it() -> None:
+    with pytest.raises(ChildProcessError, match="not JSON serializable"):
+        in_a_child_process(lambda: torch.ones(2))
+
+
 def test_an_error_in_the_child_is_raised_here_ending_with_the_original_error() -> None:
     def fails() -> None:
         raise ValueError("key 'layer.weight' has shape (2, 3), expected (3, 2)")

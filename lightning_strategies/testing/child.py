@@ -9,8 +9,8 @@ for the cost of one fork (milliseconds).
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import signal
 import traceback
 from collections.abc import Callable
@@ -22,7 +22,7 @@ class ChildProcessError(RuntimeError):
 
 
 def in_a_child_process(function: Callable[[], Any]) -> Any:
-    """Runs ``function`` in a fork of this process and returns its (picklable) result here.
+    """Runs ``function`` in a fork of this process and returns its result here.
 
     Matches :data:`~lightning_strategies.testing.Launch`, so a one-process ``MatrixStrategy`` or ``check_strategy``
     run takes it as ``launch=``.
@@ -31,7 +31,8 @@ def in_a_child_process(function: Callable[[], Any]) -> Any:
         function: What to run; called with no arguments in the child. It need not be picklable (a fork inherits it).
 
     Returns:
-        What ``function`` returned in the child.
+        What ``function`` returned in the child: a value JSON can carry (``None``, numbers, strings, lists, dicts);
+        the package unpickles nothing, so the result comes back as JSON.
 
     Raises:
         ChildProcessError: ``function`` raised in the child (the message carries its traceback), or the child died
@@ -42,16 +43,15 @@ def in_a_child_process(function: Callable[[], Any]) -> Any:
     if child == 0:  # never returns: the child must not run the parent's atexit handlers or test teardown
         os.close(reader)
         try:
-            outcome: tuple[bool, Any] = (True, function())
-            payload = pickle.dumps(outcome)
-        except BaseException:
-            payload = pickle.dumps((False, traceback.format_exc().strip()))
-        with os.fdopen(writer, "wb") as pipe:
+            payload = json.dumps([True, function()])
+        except BaseException:  # the function's error, or a result JSON cannot carry
+            payload = json.dumps([False, traceback.format_exc().strip()])
+        with os.fdopen(writer, "w") as pipe:
             pipe.write(payload)
         os._exit(0)
     os.close(writer)
     try:
-        with os.fdopen(reader, "rb") as pipe:
+        with os.fdopen(reader, "r") as pipe:
             report = pipe.read()
     except BaseException:  # interrupted or timed out here: the child must not train on unattended
         os.kill(child, signal.SIGKILL)
@@ -62,7 +62,7 @@ def in_a_child_process(function: Callable[[], Any]) -> Any:
         raise ChildProcessError(
             f"the child process died without a result (exit code {os.waitstatus_to_exitcode(status)})"
         )
-    succeeded, value = pickle.loads(report)
+    succeeded, value = json.loads(report)
     if not succeeded:
         raise ChildProcessError(value)
     return value
