@@ -197,6 +197,7 @@ class AsyncSaves:
         self._pending: _Save | None = None
         self._removals: list[Callable[[], None]] = []
         self._group: Any = None  # the gloo group background DCP writes and full saves' transfers run on
+        self._group_threads: list[int] = []  # the native ids of its gloo threads, lowered like the writers'
         self._transfers = DeferredTransfers()  # the transfers the state being taken for a full save held back
         self._open = False  # between on_train_start and on_train_end: saves run asynchronously
         #: Bytes of tensors this rank copied for its last asynchronous save (its staging copy).
@@ -344,7 +345,8 @@ class AsyncSaves:
         """Runs the transfers held back for this save in the foreground (a save that turned out synchronous)."""
         transfers, self._transfers = self._transfers, DeferredTransfers()
         if len(transfers):
-            transfers.run(self._group)
+            with self._group_at_full_priority():
+                transfers.run(self._group)
 
     def _start_in_background(
         self,
@@ -394,8 +396,22 @@ class AsyncSaves:
         """A gloo group of the same ranks for the background writes' collectives (created once, by every rank: a
         collective); training's collectives stay alone on the default group."""
         if self._group is None:
-            self._group = torch.distributed.new_group(backend="gloo")
+            # gloo moves the bytes of the group's transfers on threads the group starts: they work for the background
+            # writes, so they run at the writes' low priority (background_priority).
+            self._group, started = background_priority.threads_started_by(
+                lambda: torch.distributed.new_group(backend="gloo")
+            )
+            self._group_threads = background_priority.lower(started)
         return self._group
+
+    @contextmanager
+    def _group_at_full_priority(self) -> Iterator[None]:
+        """The background group's gloo threads at the training thread's priority, while the step loop waits for them."""
+        background_priority.restore(self._group_threads)
+        try:
+            yield
+        finally:
+            background_priority.lower(self._group_threads)
 
     # ------------------------------------------------------------------ the ranks meet
 
@@ -421,12 +437,13 @@ class AsyncSaves:
         save, self._pending = self._pending, None
         if save is None:
             return
-        if save.thread is not None:
-            background_priority.restore(save.native_id)  # the step loop waits for it now: no core to leave
-            save.thread.join()
-            self.last_write_cpu_s = save.cpu_s
-        if not save.agreed:  # a full file: the ranks agree here
-            save.agree()
+        with self._group_at_full_priority():  # the step loop waits for the save now: no core to leave
+            if save.thread is not None:
+                background_priority.restore(save.native_id)
+                save.thread.join()
+                self.last_write_cpu_s = save.cpu_s
+            if not save.agreed:  # a full file: the ranks agree here
+                save.agree()
         error = save.errors[0] if save.errors else None
         if save.failed:
             self._removals.clear()  # the older checkpoints stay: the new one did not appear
@@ -479,6 +496,6 @@ class AsyncSaves:
             else:
                 self.finish()
         finally:
-            group, self._group = self._group, None
+            group, self._group, self._group_threads = self._group, None, []
             if group is not None and not failed and _distributed_is_initialized():
                 torch.distributed.destroy_process_group(group)

@@ -1,12 +1,19 @@
-"""The CPU priority of the background thread of asynchronous saves.
+"""The CPU priority of the threads that do the background work of asynchronous saves.
 
-The steps slow down beside a background write because the write competes with the ranks for the cores, not because of
-its own CPU time: on 2 cores with 2 ranks, a 50 MB ``torch.save`` takes about 40 ms of CPU, yet the steps beside it lost
-several times that (docs/benchmarks.md, "Asynchronous saves"). A thread of the training process competes as much as a
-separate process at the same priority does, so the thread stays and runs at a lower priority instead (Linux schedules
-threads on their own: a niced thread yields its core to the ranks). When the step loop waits for the write (the next
-save, the end of training), the write is the only thing left to do, and its thread gets the training thread's priority
-back, where the system lets a process raise a thread's priority again.
+The steps slow down beside a background write because the write's threads compete with the ranks for the cores, not
+because of their own CPU time: on 2 cores with 2 ranks, a 50 MB ``torch.save`` takes about 40 ms of CPU, yet the steps
+beside it lost several times that (docs/benchmarks.md, "Asynchronous saves"). So on Linux, where threads are scheduled
+on their own, every thread that works for a background write runs under ``SCHED_IDLE``: it gets a core only while no
+thread of normal priority wants it, and a rank that wakes up (a collective returned, a batch arrived) takes the core
+back at once. A *nice* value is not enough: under the kernel's fair scheduler a thread at nice +10 keeps its core for
+the rest of its time slice when a rank wakes, and a rank's step wakes up many times (every collective).
+
+Two kinds of thread work for a write: the one that runs it (lowered by itself, :func:`lower_this_thread`), and the
+threads of the gloo group the writes' collectives run on — gloo moves the bytes of every transfer on threads of its own,
+which the group's creation starts (:func:`threads_started_by`, :func:`lower`). When the step loop waits for the write
+(the next save, the end of training), the write is all that is left to do and its threads get the training thread's
+priority back (:func:`restore`), where the system permits raising a priority (as root, with ``CAP_SYS_NICE``, or within
+``RLIMIT_NICE``); elsewhere they finish in the cores' idle time, which is then all the time the step loop leaves.
 """
 
 from __future__ import annotations
@@ -16,21 +23,40 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable, Collection, Iterable
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
 
-#: Nice value added to the background thread: about a tenth of a core's time when a rank wants the core (the kernel's
-#: weights for nice 0 and 10 are 1024 and 110), all of it when the core is idle.
+#: Nice value added where ``SCHED_IDLE`` is refused (about a tenth of a core when a rank wants the core: the kernel's
+#: weights for nice 0 and 10 are 1024 and 110).
 BACKGROUND_NICENESS = 10
+
+_T = TypeVar("_T")
 
 
 def _per_thread() -> bool:
-    # Elsewhere setpriority(PRIO_PROCESS, id) would renice the whole process, the training thread with it.
+    # Elsewhere the calls below would change the whole process, the training thread with it.
     return sys.platform.startswith("linux")
 
 
+def _lower(native_id: int) -> bool:
+    try:
+        os.sched_setscheduler(native_id, os.SCHED_IDLE, os.sched_param(0))
+        return True
+    except OSError as idle_refused:
+        try:
+            niceness = os.getpriority(os.PRIO_PROCESS, native_id) + BACKGROUND_NICENESS
+            os.setpriority(os.PRIO_PROCESS, native_id, niceness)
+            return True
+        except OSError as error:  # a sandbox that forbids both: the write runs at the training thread's priority
+            log.debug("Could not lower the priority of thread %d: %s; %s", native_id, idle_refused, error)
+            return False
+
+
 def lower_this_thread() -> int | None:
-    """Lowers the calling (background) thread's priority by :data:`BACKGROUND_NICENESS`.
+    """Runs the calling (background) thread under ``SCHED_IDLE`` (at nice +:data:`BACKGROUND_NICENESS` where that is
+    refused).
 
     Returns:
         The thread's native id, for :func:`restore`; ``None`` where nothing was changed (not Linux, or refused).
@@ -38,19 +64,44 @@ def lower_this_thread() -> int | None:
     if not _per_thread():
         return None
     native_id = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, native_id, os.getpriority(os.PRIO_PROCESS, native_id) + BACKGROUND_NICENESS)
-    except OSError as error:  # a sandbox that forbids it: the write runs at the training thread's priority
-        log.debug("Could not lower the priority of the background write: %s", error)
-        return None
-    return native_id
+    return native_id if _lower(native_id) else None
 
 
-def restore(native_id: int | None) -> None:
-    """Gives the thread ``native_id`` (lowered by :func:`lower_this_thread`) the calling thread's priority: the step
-    loop waits for it now. Where raising a priority again is not permitted (no ``CAP_SYS_NICE``, ``RLIMIT_NICE``), the
-    thread goes on at its low priority and finishes in the cores' idle time."""
-    if native_id is None:
+def lower(native_ids: Iterable[int]) -> list[int]:
+    """Lowers the threads ``native_ids`` of this process as :func:`lower_this_thread` does.
+
+    Returns:
+        The ids of the threads that were lowered (a thread that has ended meanwhile is skipped).
+    """
+    if not _per_thread():
+        return []
+    return [native_id for native_id in native_ids if _lower(native_id)]
+
+
+def restore(native_ids: int | Collection[int] | None) -> None:
+    """Gives the threads ``native_ids`` (lowered here) the calling thread's scheduling policy and priority: the step
+    loop waits for them now. Where raising a priority again is not permitted, they go on at their low priority."""
+    if native_ids is None:
         return
-    with contextlib.suppress(OSError):  # not permitted, or the thread has just ended
-        os.setpriority(os.PRIO_PROCESS, native_id, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    policy = os.sched_getscheduler(0)
+    parameters = os.sched_getparam(0)
+    niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    for native_id in [native_ids] if isinstance(native_ids, int) else native_ids:
+        with contextlib.suppress(OSError):  # not permitted, or the thread has just ended
+            os.sched_setscheduler(native_id, policy, parameters)
+            os.setpriority(os.PRIO_PROCESS, native_id, niceness)
+
+
+def thread_ids() -> set[int]:
+    """The native ids of this process's threads (empty where the system does not list them)."""
+    with contextlib.suppress(OSError):
+        return {int(name) for name in os.listdir("/proc/self/task")}
+    return set()
+
+
+def threads_started_by(start: Callable[[], _T]) -> tuple[_T, set[int]]:
+    """Runs ``start`` (e.g. the creation of a gloo group) and returns its result with the native ids of the threads
+    that appeared in this process meanwhile (the calling thread is blocked in ``start``: they are its)."""
+    before = thread_ids()
+    result = start()
+    return result, thread_ids() - before

@@ -27,7 +27,7 @@ from lightning_strategies.checkpoint.sharded import open_sharded, sharded_direct
 from lightning_strategies.strategies import async_saves, background_priority
 from lightning_strategies.strategies.async_saves import staged_bytes, staged_copy
 from lightning_strategies.strategies.atomic_io import AtomicTorchCheckpointIO
-from lightning_strategies.strategies.background_priority import BACKGROUND_NICENESS, restore
+from lightning_strategies.strategies.background_priority import restore
 from lightning_strategies.strategies.base import DirectReferenceStrategy
 from lightning_strategies.strategies.gather import (
     DeferredTransfers,
@@ -521,28 +521,46 @@ def test_an_async_full_save_gathers_to_rank0_in_the_background_thread_of_every_r
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have priorities of their own on Linux only")
-def test_the_background_write_runs_at_a_lower_cpu_priority_than_the_steps(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("name", "kind"), FORMATS)
+def test_the_background_write_and_its_gloo_threads_run_under_sched_idle_beside_the_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, kind: str
 ) -> None:
     recorded = threading.Event()  # each forked rank has its own
+    group_threads: list[int] = []
+
+    def policy(native_id: int) -> int:
+        return os.sched_getscheduler(native_id)
 
     def recording_priorities(files: Callable[[], None]) -> None:
-        writer = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        steps = os.getpriority(os.PRIO_PROCESS, os.getpid())  # the main thread's id is the process's
-        write_json(tmp_path / f"priority.{dist.get_rank()}", {"writer": writer, "steps": steps})
+        write_json(
+            tmp_path / f"priority.{dist.get_rank()}",
+            {
+                "writer": policy(threading.get_native_id()),
+                "steps": policy(os.getpid()),  # the main thread's id is the process's
+                "gloo": [policy(native_id) for native_id in group_threads],
+            },
+        )
         recorded.set()
         files()
 
-    def restore_once_recorded(native_id: int | None) -> None:  # the step loop may wait for the write before it ran
-        if dist.get_rank() == 0:  # rank 0 writes the full file
+    def restore_once_recorded(native_ids: Any) -> None:  # the step loop may wait for the write before it ran
+        if dist.get_rank() == 0:  # rank 0 writes in both formats
             recorded.wait(timeout=60)
-        restore(native_id)
+        restore(native_ids)
+
+    original_lower = background_priority.lower
+
+    def noting_the_group(native_ids: Any) -> list[int]:
+        lowered = original_lower(native_ids)
+        group_threads[:] = lowered
+        return lowered
 
     monkeypatch.setattr(async_saves, "write_in_background", recording_priorities)  # the forked ranks inherit it
     monkeypatch.setattr(background_priority, "restore", restore_once_recorded)
+    monkeypatch.setattr(background_priority, "lower", noting_the_group)
     directory = tmp_path / "checkpoints"
     fit(
-        strategy("fsdp2", "full"),
+        strategy(name, kind),
         new_model(),
         callbacks=[ModelCheckpoint(dirpath=directory, filename="{epoch}")],
         enable_checkpointing=True,
@@ -550,8 +568,11 @@ def test_the_background_write_runs_at_a_lower_cpu_priority_than_the_steps(
         **TINY,
     )
 
-    priority = json.loads((tmp_path / "priority.0").read_text())  # rank 0 writes the full file
-    assert priority["writer"] == min(19, priority["steps"] + BACKGROUND_NICENESS)
+    priority = json.loads((tmp_path / "priority.0").read_text())  # rank 0 writes in both formats
+    assert priority["steps"] == os.SCHED_OTHER
+    assert priority["writer"] == os.SCHED_IDLE
+    assert len(priority["gloo"]) >= 1  # gloo's loop thread and its workers
+    assert set(priority["gloo"]) == {os.SCHED_IDLE}
     assert_complete(directory / "epoch=0.ckpt")
 
 
