@@ -365,32 +365,39 @@ class AsyncSaves:
             def run() -> None:
                 cpu_started = time.thread_time()
                 save.native_id = background_priority.lower_this_thread()  # the ranks' steps keep their cores
-                writes, save.write = save.write, None
-                try:
-                    try:
-                        if save.transfers is not None:  # outside the seam: a failed write never strands a peer
-                            save.transfers.run(save.transfer_group)
-                        if writes is not None:
-                            write_in_background(writes)
-                    except BaseException as error:
-                        raise_if_disk_full(error, Path(target))
-                        raise
-                except BaseException as error:  # kept for the ranks' agreement: raised on every rank there
-                    save.errors.append(error)
-                finally:
-                    del writes
-                if save.group is not None:  # the writes' threads meet on their own group; the step loop goes on
-                    try:
-                        save.agree()
-                    except BaseException as error:  # the agreement itself failed (a peer gone): the save is lost
-                        save.failed = [(-1, _described(error))]
-                        save.agreed = True
+                with background_priority.quick_gil_handoffs():
+                    self._run_in_background(save, target)
                 save.cpu_s = time.thread_time() - cpu_started
 
             # A daemon: a run that failed does not wait at exit for a write nobody will commit.
             save.thread = threading.Thread(target=run, name=f"lightning_strategies async save {target}", daemon=True)
             save.thread.start()
         self._pending = save
+
+    @staticmethod
+    def _run_in_background(save: _Save, target: str) -> None:
+        """The background thread's work: the held-back transfers, this rank's writes and, for a sharded save, the
+        agreement and the commit."""
+        writes, save.write = save.write, None
+        try:
+            try:
+                if save.transfers is not None:  # outside the seam: a failed write never strands a peer
+                    save.transfers.run(save.transfer_group)
+                if writes is not None:
+                    write_in_background(writes)
+            except BaseException as error:
+                raise_if_disk_full(error, Path(target))
+                raise
+        except BaseException as error:  # kept for the ranks' agreement: raised on every rank there
+            save.errors.append(error)
+        finally:
+            del writes
+        if save.group is not None:  # the writes' threads meet on their own group; the step loop goes on
+            try:
+                save.agree()
+            except BaseException as error:  # the agreement itself failed (a peer gone): the save is lost
+                save.failed = [(-1, _described(error))]
+                save.agreed = True
 
     def _background_group(self) -> Any:
         """A gloo group of the same ranks for the background writes' collectives (created once, by every rank: a

@@ -8,6 +8,11 @@ thread of normal priority wants it, and a rank that wakes up (a collective retur
 back at once. A *nice* value is not enough: under the kernel's fair scheduler a thread at nice +10 keeps its core for
 the rest of its time slice when a rank wakes, and a rank's step wakes up many times (every collective).
 
+A thread under ``SCHED_IDLE`` that holds the GIL when a rank wakes keeps it until the rank's thread asks for it, which
+the interpreter does only after its switch interval (5 ms by default): a rank wakes at every collective of its step, and
+DCP plans a sharded save in Python. While a background write runs the interval is therefore shorter
+(:func:`quick_gil_handoffs`), so the step loop gets the GIL back within :data:`BACKGROUND_SWITCH_INTERVAL_S`.
+
 Two kinds of thread work for a write: the one that runs it (lowered by itself, :func:`lower_this_thread`), and the
 threads of the gloo group the writes' collectives run on — gloo moves the bytes of every transfer on threads of its own,
 which the group's creation starts (:func:`threads_started_by`, :func:`lower`). When the step loop waits for the write
@@ -23,7 +28,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import TypeVar
 
 log = logging.getLogger(__name__)
@@ -32,7 +37,16 @@ log = logging.getLogger(__name__)
 #: weights for nice 0 and 10 are 1024 and 110).
 BACKGROUND_NICENESS = 10
 
+#: The interpreter's switch interval while a background write runs (``sys.setswitchinterval``; 5 ms by default).
+BACKGROUND_SWITCH_INTERVAL_S = 0.0005
+
 _T = TypeVar("_T")
+
+
+class _SwitchInterval:
+    lock = threading.Lock()
+    writers = 0  # background writes running in this process (one per strategy at most)
+    previous = 0.0  # the interval before the first of them started
 
 
 def _per_thread() -> bool:
@@ -105,3 +119,22 @@ def threads_started_by(start: Callable[[], _T]) -> tuple[_T, set[int]]:
     before = thread_ids()
     result = start()
     return result, thread_ids() - before
+
+
+@contextlib.contextmanager
+def quick_gil_handoffs() -> Iterator[None]:
+    """Around a background write: the interpreter's switch interval is :data:`BACKGROUND_SWITCH_INTERVAL_S` until the
+    last write running in this process ends, then what it was (unless something else changed it meanwhile)."""
+    with _SwitchInterval.lock:
+        if _SwitchInterval.writers == 0:
+            _SwitchInterval.previous = sys.getswitchinterval()
+            sys.setswitchinterval(min(_SwitchInterval.previous, BACKGROUND_SWITCH_INTERVAL_S))
+        _SwitchInterval.writers += 1
+    try:
+        yield
+    finally:
+        with _SwitchInterval.lock:
+            _SwitchInterval.writers -= 1
+            ours = min(_SwitchInterval.previous, BACKGROUND_SWITCH_INTERVAL_S)
+            if _SwitchInterval.writers == 0 and sys.getswitchinterval() == ours:
+                sys.setswitchinterval(_SwitchInterval.previous)

@@ -27,7 +27,7 @@ from lightning_strategies.checkpoint.sharded import open_sharded, sharded_direct
 from lightning_strategies.strategies import async_saves, background_priority
 from lightning_strategies.strategies.async_saves import staged_bytes, staged_copy
 from lightning_strategies.strategies.atomic_io import AtomicTorchCheckpointIO
-from lightning_strategies.strategies.background_priority import restore
+from lightning_strategies.strategies.background_priority import BACKGROUND_SWITCH_INTERVAL_S, restore
 from lightning_strategies.strategies.base import DirectReferenceStrategy
 from lightning_strategies.strategies.gather import (
     DeferredTransfers,
@@ -538,6 +538,7 @@ def test_the_background_write_and_its_gloo_threads_run_under_sched_idle_beside_t
                 "writer": policy(threading.get_native_id()),
                 "steps": policy(os.getpid()),  # the main thread's id is the process's
                 "gloo": [policy(native_id) for native_id in group_threads],
+                "switch_interval": sys.getswitchinterval(),
             },
         )
         recorded.set()
@@ -573,7 +574,27 @@ def test_the_background_write_and_its_gloo_threads_run_under_sched_idle_beside_t
     assert priority["writer"] == os.SCHED_IDLE
     assert len(priority["gloo"]) >= 1  # gloo's loop thread and its workers
     assert set(priority["gloo"]) == {os.SCHED_IDLE}
+    assert priority["switch_interval"] == BACKGROUND_SWITCH_INTERVAL_S  # the steps get the GIL back quickly
     assert_complete(directory / "epoch=0.ckpt")
+
+
+def test_the_switch_interval_is_short_while_any_background_write_runs_and_restored_after_the_last() -> None:
+    before = sys.getswitchinterval()
+    with background_priority.quick_gil_handoffs():
+        with background_priority.quick_gil_handoffs():  # a second strategy's write in the same process
+            assert sys.getswitchinterval() == BACKGROUND_SWITCH_INTERVAL_S
+        assert sys.getswitchinterval() == BACKGROUND_SWITCH_INTERVAL_S
+    assert sys.getswitchinterval() == before
+
+
+def test_a_switch_interval_the_user_set_during_a_write_is_kept() -> None:
+    before = sys.getswitchinterval()
+    try:
+        with background_priority.quick_gil_handoffs():
+            sys.setswitchinterval(0.002)
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+    finally:
+        sys.setswitchinterval(before)
 
 
 class TakeStateWithoutSaving(pl.Callback):
