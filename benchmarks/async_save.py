@@ -162,7 +162,7 @@ def measure(config: Config, name: str, state_dict_type: str, model: str, saves: 
 def run(config: Config, workdir: Path) -> dict[str, Any]:
     """Blocked time per save, synchronous and asynchronous, for every format of the configured strategies (and the
     GPT-2 under ``fsdp2``, when the configuration trains it)."""
-    saves = 1 if config.smoke else config.repeats
+    saves = config.async_saves
     variants = [(name, kind, "mlp") for name, kind in FORMATS if name in config.strategies]
     if "gpt2" in config.upstream_checkpoint_models:
         variants += [(name, kind, "gpt2") for name, kind in GPT2_FORMATS if name in config.strategies]

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         "--timeout",
         type=float,
         default=None,
-        help="seconds before the ranks are stopped (default: each benchmark's allowance, summed; 2400 for a full run)",
+        help="seconds before the ranks are stopped (default: each benchmark's allowance, summed; 3000 for a full run)",
     )
     args = parser.parse_args(argv)
     only = tuple(name for name in args.only.split(",") if name)
