@@ -40,7 +40,7 @@ BACKGROUND_NICENESS = 10
 #: The interpreter's switch interval while a background write runs (``sys.setswitchinterval``; 5 ms by default).
 BACKGROUND_SWITCH_INTERVAL_S = 0.0005
 
-_T = TypeVar("_T")
+Started = TypeVar("Started")
 
 
 class _SwitchInterval:
@@ -113,7 +113,7 @@ def thread_ids() -> set[int]:
     return set()
 
 
-def threads_started_by(start: Callable[[], _T]) -> tuple[_T, set[int]]:
+def threads_started_by(start: Callable[[], Started]) -> tuple[Started, set[int]]:
     """Runs ``start`` (e.g. the creation of a gloo group) and returns its result with the native ids of the threads
     that appeared in this process meanwhile (the calling thread is blocked in ``start``: they are its)."""
     before = thread_ids()
