@@ -90,6 +90,7 @@ def test_upstream_resumes_our_fsdp2_sharded_directory_exactly(tmp_path: Path, sa
 #: "metadata is None" (torch 2.11, the `oldest` leg).
 NO_DCP_METADATA = r"No such file or directory: .*\.metadata|metadata is None"
 
+
 def test_our_fairscale_rank_files_reach_upstream_through_consolidate(tmp_path: Path, saves: dict[str, Any]) -> None:
     # Upstream reads only torch.distributed.checkpoint directories: it looks for a `.metadata` that is not there.
     with pytest.raises(RuntimeError, match=NO_DCP_METADATA):
