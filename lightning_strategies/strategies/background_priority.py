@@ -101,8 +101,10 @@ def restore(native_ids: int | Collection[int] | None) -> None:
     parameters = os.sched_getparam(0)
     niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     for native_id in [native_ids] if isinstance(native_ids, int) else native_ids:
+        # Each on its own: a thread lowered by niceness alone may get its priority back where its policy call fails.
         with contextlib.suppress(OSError):  # not permitted, or the thread has just ended
             os.sched_setscheduler(native_id, policy, parameters)
+        with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, native_id, niceness)
 
 

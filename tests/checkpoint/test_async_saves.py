@@ -578,6 +578,70 @@ def test_the_background_write_and_its_gloo_threads_run_under_sched_idle_beside_t
     assert_complete(directory / "epoch=0.ckpt")
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have priorities of their own on Linux only")
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a thread's priority again needs root (or CAP_SYS_NICE)")
+def test_a_lowered_thread_gets_the_calling_threads_policy_and_niceness_back() -> None:
+    lowered, native_id = None, 0
+    release = threading.Event()
+    ready = threading.Event()
+
+    def background() -> None:
+        nonlocal lowered, native_id
+        lowered = background_priority.lower_this_thread()
+        native_id = threading.get_native_id()
+        ready.set()
+        release.wait(timeout=60)
+
+    thread = threading.Thread(target=background, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(timeout=60)
+        assert lowered == native_id
+        assert os.sched_getscheduler(native_id) == os.SCHED_IDLE
+
+        restore(native_id)
+
+        assert os.sched_getscheduler(native_id) == os.sched_getscheduler(0)
+        assert os.getpriority(os.PRIO_PROCESS, native_id) == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    finally:
+        release.set()
+        thread.join()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have priorities of their own on Linux only")
+def test_where_sched_idle_is_refused_the_background_thread_runs_ten_nice_levels_lower(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refused(*args: Any) -> None:
+        raise PermissionError("SCHED_IDLE refused (a sandbox)")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    steps = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    niceness = {}
+    release, ready = threading.Event(), threading.Event()
+
+    def background() -> None:
+        native_id = background_priority.lower_this_thread()
+        niceness["writer"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        niceness["policy"] = os.sched_getscheduler(0)
+        niceness["lowered"] = native_id is not None
+        ready.set()
+        release.wait(timeout=60)
+
+    thread = threading.Thread(target=background, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(timeout=60)
+        assert niceness == {
+            "writer": min(19, steps + background_priority.BACKGROUND_NICENESS),
+            "policy": os.SCHED_OTHER,
+            "lowered": True,
+        }
+    finally:
+        release.set()
+        thread.join()
+
+
 def test_the_switch_interval_is_short_while_any_background_write_runs_and_restored_after_the_last() -> None:
     before = sys.getswitchinterval()
     with background_priority.quick_gil_handoffs():
