@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .paced_writes import open_sliced
+
 _PARTIAL = ".partial-"
 
 
@@ -92,7 +94,7 @@ def atomic_torch_save(checkpoint: Any, path: str | Path, *, over_directory: bool
     handle, name = tempfile.mkstemp(prefix=_partial_prefix(target), dir=target.parent)
     temporary = Path(name)
     try:
-        with os.fdopen(handle, "wb") as file:
+        with open_sliced(handle) as file:  # slices: a background write keeps no core for long (paced_writes)
             torch.save(checkpoint, file)
             file.flush()
             os.fsync(file.fileno())

@@ -16,11 +16,13 @@ from __future__ import annotations
 import importlib
 import io
 import math
+import os
 import pickle
 import re
 import stat
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -29,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -37,6 +39,7 @@ from torch.futures import Future
 
 from lightning_strategies._torch_private import dcp_flatten_state_dict, dcp_set_element
 from lightning_strategies.checkpoint.errors import CheckpointFormatError, OptimizerStateMismatchError
+from lightning_strategies.checkpoint.paced_writes import open_sliced
 
 DCP_METADATA_FILE: Final = ".metadata"
 STAMP_PREFIX: Final = "lightning_strategies.save.rank"
@@ -182,6 +185,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             dcp_set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class _SlicedFileSystem(FileSystem):
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open_sliced(path) as stream:
+            yield stream
+
+
+def sliced_file_system_writer(directory: Path) -> FileSystemWriter:
+    """torch's ``FileSystemWriter`` of ``directory`` whose files are written in slices, and paced in a background write
+    (:mod:`~lightning_strategies.checkpoint.paced_writes`), like this package's full checkpoint files."""
+    writer = FileSystemWriter(directory)
+    writer.fs = _SlicedFileSystem()
+    return writer
 
 
 def rank_zero_save_planner() -> DefaultSavePlanner:

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_strategies.checkpoint.atomic import raise_if_disk_full, replace_directory
 from lightning_strategies.checkpoint.metadata import METADATA_KEY
+from lightning_strategies.checkpoint.paced_writes import Pacing, paced
 from lightning_strategies.checkpoint.sharded import (
     SHARDED_STATE_KEYS,
     new_save_id,
@@ -57,6 +58,11 @@ if TYPE_CHECKING:
     from .base import DirectReferenceStrategy
 
 log = logging.getLogger(__name__)
+
+
+#: The share of the time between two saves within which a paced background write should be done (the rest is left
+#: for a write that got less idle CPU than the one before, so that the next save still finds it done).
+WRITE_SHARE_OF_INTERVAL = 0.5
 
 
 class AsyncSaveError(RuntimeError):
@@ -107,17 +113,18 @@ def staged_copy(value: Any) -> Any:
     return value
 
 
-def staged_bytes(value: Any) -> int:
-    """Bytes of the tensors a staging copy copied (a DTensor counts its local shard; a shared fresh copy nothing)."""
+def staged_bytes(value: Any, *, shared_too: bool = False) -> int:
+    """Bytes of the tensors a staging copy copied (a DTensor counts its local shard; a shared fresh copy nothing,
+    unless ``shared_too``: then the bytes of all its tensors, what its write writes)."""
     if isinstance(value, DTensor):
         local = value.to_local()
         return local.numel() * local.element_size()
     if isinstance(value, Tensor):
-        return 0 if is_fresh_copy(value) else value.numel() * value.element_size()
+        return 0 if is_fresh_copy(value) and not shared_too else value.numel() * value.element_size()
     if isinstance(value, Mapping):
-        return sum(staged_bytes(item) for item in value.values())
+        return sum(staged_bytes(item, shared_too=shared_too) for item in value.values())
     if isinstance(value, list | tuple):
-        return sum(staged_bytes(item) for item in value)
+        return sum(staged_bytes(item, shared_too=shared_too) for item in value)
     return 0
 
 
@@ -148,6 +155,7 @@ class _Save:
     transfer_group: Any = None
     thread: threading.Thread | None = None
     native_id: int | None = None  # the background thread's, while its priority is lowered
+    pacing: Pacing = field(default_factory=lambda: Pacing(0.0, 0))  # pauses between its files' slices (paced_writes)
     cpu_s: float = 0.0  # CPU seconds the background thread used (its transfers, writes, agreement and commit)
     errors: list[BaseException] = field(default_factory=list)
     commit: Callable[[], None] | None = None
@@ -200,6 +208,7 @@ class AsyncSaves:
         self._group_threads: list[int] = []  # the native ids of its gloo threads, lowered like the writers'
         self._transfers = DeferredTransfers()  # the transfers the state being taken for a full save held back
         self._open = False  # between on_train_start and on_train_end: saves run asynchronously
+        self._last_started: float | None = None  # when the save before this fit's next one started (perf_counter)
         #: Bytes of tensors this rank copied for its last asynchronous save (its staging copy).
         self.last_staged_bytes = 0
         #: Seconds the last save waited for the save before it (its writes, the agreement, the commit, removals).
@@ -233,6 +242,7 @@ class AsyncSaves:
         files they run there the transfers of the gathers to rank 0 (:meth:`holding_transfers`).
         """
         self._open = True
+        self._last_started = None
         strategy = self._strategy
         if not _distributed_is_initialized() or torch.distributed.get_world_size() < 2:
             return
@@ -292,6 +302,16 @@ class AsyncSaves:
             return self._start_save(checkpoint, filepath, storage_options)
         finally:
             self.last_start_s = time.perf_counter() - started
+            self._last_started = started
+
+    def _pacing(self, written: Any) -> Pacing:
+        """The pace of this rank's write of ``written`` (paced_writes): done within :data:`WRITE_SHARE_OF_INTERVAL`
+        of the time since the save before started, so that the next save, as far apart, finds it done; the first save
+        of a fit, which knows no interval, is not paced."""
+        if self._last_started is None:
+            return Pacing(0.0, 0)
+        budget = (time.perf_counter() - self._last_started) * WRITE_SHARE_OF_INTERVAL
+        return Pacing(budget, staged_bytes(written, shared_too=True))
 
     def _start_save(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None) -> bool:
         strategy = self._strategy
@@ -320,6 +340,7 @@ class AsyncSaves:
             self._start_in_background(
                 str(directory),
                 writer,
+                pacing=self._pacing(staged),
                 sharded=True,
                 commit=commit if strategy.is_global_zero else None,
                 discard=partial(shutil.rmtree, staging, ignore_errors=True) if strategy.is_global_zero else None,
@@ -329,15 +350,20 @@ class AsyncSaves:
         require_same_save_path(filepath)  # a rank's different path would be silently ignored
         transfers, self._transfers = self._transfers, DeferredTransfers()
         full_writer: Callable[[], None] | None = None
+        written: dict[str, Any] | None = None  # rank 0's file
         self.last_staged_bytes = transfers.staged_bytes
         if strategy.is_global_zero:
-            staged = staged_copy({**checkpoint, METADATA_KEY: strategy.checkpoint_metadata().to_dict()})
-            self.last_staged_bytes += staged_bytes(staged)
+            written = staged_copy({**checkpoint, METADATA_KEY: strategy.checkpoint_metadata().to_dict()})
+            self.last_staged_bytes += staged_bytes(written)
             io = strategy.sharded_checkpoint_io  # written in this thread: no AsyncCheckpointIO on top
-            full_writer = partial(io.save_checkpoint, staged, filepath, storage_options=storage_options)
+            full_writer = partial(io.save_checkpoint, written, filepath, storage_options=storage_options)
         # Every rank's thread sends (or receives) its part of the gathers first, then rank 0's thread writes the file.
         self._start_in_background(
-            str(filepath), full_writer, sharded=False, transfers=transfers if len(transfers) else None
+            str(filepath),
+            full_writer,
+            pacing=self._pacing(written),
+            sharded=False,
+            transfers=transfers if len(transfers) else None,
         )
         return True
 
@@ -353,19 +379,22 @@ class AsyncSaves:
         target: str,
         write: Callable[[], None] | None,
         *,
+        pacing: Pacing,
         sharded: bool,
         commit: Callable[[], None] | None = None,
         discard: Callable[[], None] | None = None,
         group: Any = None,
         transfers: DeferredTransfers | None = None,
     ) -> None:
-        save = _Save(target, sharded, write, transfers, self._group, commit=commit, discard=discard, group=group)
+        save = _Save(
+            target, sharded, write, transfers, self._group, pacing=pacing, commit=commit, discard=discard, group=group
+        )
         if write is not None or transfers is not None:
 
             def run() -> None:
                 cpu_started = time.thread_time()
                 save.native_id = background_priority.lower_this_thread()  # the ranks' steps keep their cores
-                with background_priority.quick_gil_handoffs():
+                with background_priority.quick_gil_handoffs(), paced(save.pacing):
                     self._run_in_background(save, target)
                 save.cpu_s = time.thread_time() - cpu_started
 
@@ -446,6 +475,7 @@ class AsyncSaves:
             return
         with self._group_at_full_priority():  # the step loop waits for the save now: no core to leave
             if save.thread is not None:
+                save.pacing.hurry()
                 background_priority.restore(save.native_id)
                 save.thread.join()
                 self.last_write_cpu_s = save.cpu_s
@@ -476,6 +506,7 @@ class AsyncSaves:
         save, self._pending = self._pending, None
         self._removals.clear()
         if save is not None and save.thread is not None:
+            save.pacing.hurry()
             background_priority.restore(save.native_id)
             save.thread.join(timeout)
             if save.thread.is_alive():

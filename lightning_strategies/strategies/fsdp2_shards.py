@@ -32,6 +32,7 @@ from lightning_strategies.checkpoint.dcp import (
     rank_zero_save_planner,
     safe_dcp_load,
     saved_parameters_only,
+    sliced_file_system_writer,
 )
 from lightning_strategies.checkpoint.optimizer_state import canonical_to_name_keyed
 from lightning_strategies.checkpoint.sharded import ShardedCheckpoint, read_dcp_files
@@ -171,7 +172,12 @@ def _dcp_write(state: dict[str, Any], directory: Path, staging: Path, process_gr
     default group when ``None``)."""
     try:
         # Buffers and other whole tensors from rank 0, as under ddp (each rank keeps its own running stats).
-        dcp_save(state, checkpoint_id=staging, planner=rank_zero_save_planner(), process_group=process_group)
+        dcp_save(
+            state,
+            storage_writer=sliced_file_system_writer(staging),
+            planner=rank_zero_save_planner(),
+            process_group=process_group,
+        )
     except CheckpointException as error:  # does not survive the trip to the launching process: re-told
         raise_if_disk_full(error, directory)
         raise RuntimeError(f"Saving sharded checkpoint {str(directory)!r} failed: {error}") from None

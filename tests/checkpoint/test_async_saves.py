@@ -23,6 +23,7 @@ import torch.distributed as dist
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from lightning_strategies import AsyncSaveError
+from lightning_strategies.checkpoint import paced_writes
 from lightning_strategies.checkpoint.sharded import open_sharded, sharded_directory
 from lightning_strategies.strategies import async_saves, background_priority
 from lightning_strategies.strategies.async_saves import staged_bytes, staged_copy
@@ -576,6 +577,56 @@ def test_the_background_write_and_its_gloo_threads_run_under_sched_idle_beside_t
     assert set(priority["gloo"]) == {os.SCHED_IDLE}
     assert priority["switch_interval"] == BACKGROUND_SWITCH_INTERVAL_S  # the steps get the GIL back quickly
     assert_complete(directory / "epoch=0.ckpt")
+
+
+@pytest.mark.parametrize(("name", "kind"), FORMATS)
+def test_a_paced_background_write_pauses_until_the_step_loop_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, kind: str
+) -> None:
+    # Every pause would last for hours and no budget would end it: only the step loop's hurry does.
+    monkeypatch.setattr(paced_writes, "WRITE_SLICE_BYTES", 1024)  # the tiny model's files pause too
+    monkeypatch.setattr(paced_writes, "PAUSE_PER_SECOND_WORKED", 1e6)
+    monkeypatch.setattr(async_saves, "WRITE_SHARE_OF_INTERVAL", 1e6)
+    pause = paced_writes.Pacing.pause
+    pausing = threading.Event()  # rank 0's paced write reached a pause (each forked rank has its own)
+
+    def recording_pauses(self: paced_writes.Pacing, written: int) -> None:
+        if self.budget_s > 0 and not self.hurried:
+            pausing.set()
+        before = self.paused_s
+        pause(self, written)
+        if self.paused_s > before:  # this pause waited, and ended: the step loop hurried it
+            write_json(tmp_path / f"paused.{dist.get_rank()}", {"hurried": self.hurried})
+
+    finish = async_saves.AsyncSaves.finish
+
+    def finish_once_pausing(self: async_saves.AsyncSaves) -> None:  # the step loop waits only once the write pauses
+        save = self._pending
+        if dist.get_rank() == 0 and save is not None and save.thread is not None and save.pacing.budget_s > 0:
+            if not pausing.wait(timeout=60):
+                raise TimeoutError("the paced write never paused")
+            pausing.clear()
+        finish(self)
+
+    monkeypatch.setattr(paced_writes.Pacing, "pause", recording_pauses)  # the forked ranks inherit both
+    monkeypatch.setattr(async_saves.AsyncSaves, "finish", finish_once_pausing)
+    directory = tmp_path / "checkpoints"
+    started = time.monotonic()
+    fit(
+        strategy(name, kind),
+        new_model(),
+        callbacks=[ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=-1)],
+        enable_checkpointing=True,
+        max_epochs=2,
+        **TINY,
+    )
+
+    assert time.monotonic() - started < 120  # no pause outlasted the step loop's wait
+    assert json.loads((tmp_path / "paused.0").read_text()) == {"hurried": True}  # rank 0 writes in both formats
+    saved = sorted(path.name for path in directory.iterdir() if not path.name.startswith("."))
+    assert saved == [f"epoch={step // 3}-step={step}.ckpt" for step in (1, 2, 3, 4)]
+    for path in directory.iterdir():
+        assert_complete(path)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have priorities of their own on Linux only")
