@@ -510,8 +510,13 @@ def _steps_during_writes(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
     during = [seconds for seconds, at in zip(steps, writing, strict=True) if any(start for start, _ in at)]
     without = [seconds for seconds, at in zip(steps, writing, strict=True) if not any(start for start, _ in at)]
     rows = {"step_during_write": stats(during), "step_without_write": stats(without)}
+    saves = max(len(rank.get("blocked_s", [])) for rank in per_rank)
+    # What the writes cost the steps in all (a paced write slows more steps, each less): against the mean step without
+    # a write, since a sum of step times is compared (the median of skewed step times would count their tail as cost).
+    extra = sum(during) - len(during) * statistics.mean(without) if during and without else math.nan
     return {
         **rows,
+        "step_extra_per_save_s": extra / saves if saves else math.nan,
         "steps_wholly_during_write": sum(any(start and end for start, end in at) for at in writing),
         "step_during_write_ratio": _ratio(rows["step_during_write"]["median"], rows["step_without_write"]["median"])
         if during
@@ -747,8 +752,8 @@ def details_markdown(summary: dict[str, Any]) -> str:
             " | end of fit (last commit) ms, sync / async | staging copy MB, rank 0 / rank 1"
             " | step ms during a background write (steps) | step ms without (steps)"
             " | synchronous fit: step ms after a save (steps) | other steps ms (steps)"
-            " | background thread CPU ms per save, rank 0 / rank 1 |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            " | steps' extra time per save ms | background thread CPU ms per save, rank 0 / rank 1 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
 
         def steps(row: dict[str, float]) -> str:
@@ -763,7 +768,8 @@ def details_markdown(summary: dict[str, Any]) -> str:
                 f"| `{variant}` | {span(row['sync'])} | {span(row['async'])} | {row['blocked_ratio']:.2f} |"
                 f" {_ms(row['sync_end_of_fit'])} / {_ms(row['async_end_of_fit'])} | {staged} |"
                 f" {steps(row['step_during_write'])} | {steps(row['step_without_write'])} |"
-                f" {steps(row['sync_step_after_save'])} | {steps(row['sync_step_not_after_save'])} | {cpu} |"
+                f" {steps(row['sync_step_after_save'])} | {steps(row['sync_step_not_after_save'])} |"
+                f" {_ms(row.get('step_extra_per_save_s', math.nan))} | {cpu} |"
             )
         parts.append("**Asynchronous saves: the step loop blocked per save**\n\n" + "\n".join(lines))
     return "\n\n".join(parts)
