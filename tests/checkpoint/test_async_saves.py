@@ -12,7 +12,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -629,17 +630,16 @@ def test_a_paced_background_write_pauses_until_the_step_loop_waits_for_it(
         assert_complete(path)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have priorities of their own on Linux only")
-@pytest.mark.skipif(os.geteuid() != 0, reason="raising a thread's priority again needs root (or CAP_SYS_NICE)")
-def test_a_lowered_thread_gets_the_calling_threads_policy_and_niceness_back() -> None:
-    lowered, native_id = None, 0
-    release = threading.Event()
-    ready = threading.Event()
+@contextmanager
+def a_lowered_background_thread() -> Iterator[tuple[int | None, int]]:
+    """A live thread that lowered itself (``background_priority.lower_this_thread``), until the block ends: what that
+    returned, and the thread's native id."""
+    started: dict[str, Any] = {}
+    release, ready = threading.Event(), threading.Event()
 
     def background() -> None:
-        nonlocal lowered, native_id
-        lowered = background_priority.lower_this_thread()
-        native_id = threading.get_native_id()
+        started["lowered"] = background_priority.lower_this_thread()
+        started["native_id"] = threading.get_native_id()
         ready.set()
         release.wait(timeout=60)
 
@@ -647,6 +647,16 @@ def test_a_lowered_thread_gets_the_calling_threads_policy_and_niceness_back() ->
     thread.start()
     try:
         assert ready.wait(timeout=60)
+        yield started["lowered"], started["native_id"]
+    finally:
+        release.set()
+        thread.join()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have priorities of their own on Linux only")
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a thread's priority again needs root (or CAP_SYS_NICE)")
+def test_a_lowered_thread_gets_the_calling_threads_policy_and_niceness_back() -> None:
+    with a_lowered_background_thread() as (lowered, native_id):
         assert lowered == native_id
         assert os.sched_getscheduler(native_id) == os.SCHED_IDLE
 
@@ -654,9 +664,6 @@ def test_a_lowered_thread_gets_the_calling_threads_policy_and_niceness_back() ->
 
         assert os.sched_getscheduler(native_id) == os.sched_getscheduler(0)
         assert os.getpriority(os.PRIO_PROCESS, native_id) == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    finally:
-        release.set()
-        thread.join()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have priorities of their own on Linux only")
@@ -668,29 +675,10 @@ def test_where_sched_idle_is_refused_the_background_thread_runs_ten_nice_levels_
 
     monkeypatch.setattr(os, "sched_setscheduler", refused)
     steps = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    niceness = {}
-    release, ready = threading.Event(), threading.Event()
-
-    def background() -> None:
-        native_id = background_priority.lower_this_thread()
-        niceness["writer"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        niceness["policy"] = os.sched_getscheduler(0)
-        niceness["lowered"] = native_id is not None
-        ready.set()
-        release.wait(timeout=60)
-
-    thread = threading.Thread(target=background, daemon=True)
-    thread.start()
-    try:
-        assert ready.wait(timeout=60)
-        assert niceness == {
-            "writer": min(19, steps + background_priority.BACKGROUND_NICENESS),
-            "policy": os.SCHED_OTHER,
-            "lowered": True,
-        }
-    finally:
-        release.set()
-        thread.join()
+    with a_lowered_background_thread() as (lowered, native_id):
+        assert lowered == native_id
+        assert os.sched_getscheduler(native_id) == os.SCHED_OTHER
+        assert os.getpriority(os.PRIO_PROCESS, native_id) == min(19, steps + background_priority.BACKGROUND_NICENESS)
 
 
 def test_the_switch_interval_is_short_while_any_background_write_runs_and_restored_after_the_last() -> None:

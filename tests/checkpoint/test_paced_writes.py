@@ -92,10 +92,22 @@ def test_a_write_without_a_budget_never_pauses() -> None:
     assert pacing.paused_s == 0.0
 
 
+class NotingWait(threading.Event):
+    """An event that notes when a thread starts to wait on it (a pause under way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
 def test_hurrying_ends_a_pause_under_way_and_no_other_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(paced_writes, "PAUSE_PER_SECOND_WORKED", 1e6)  # a pause of hours, unless hurried
     pacing = Pacing(budget_s=1e9, expected_bytes=1)
-    done = threading.Event()
+    pacing._hurried = hurried = NotingWait()  # what a pause waits on
 
     def write() -> None:
         with paced(pacing):
@@ -103,35 +115,34 @@ def test_hurrying_ends_a_pause_under_way_and_no_other_starts(monkeypatch: pytest
             paced_writes.pause_if_paced(1)
             burn_cpu(0.005)
             paced_writes.pause_if_paced(1)
-        done.set()
 
     thread = threading.Thread(target=write)
     thread.start()
-    time.sleep(0.2)
-    assert not done.is_set()  # pausing
+    assert hurried.waiting.wait(timeout=30)  # the first pause is under way
     pacing.hurry()
     thread.join(timeout=30)
-    assert done.is_set()
+    assert not thread.is_alive()
     assert pacing.hurried
-    assert pacing.paused_s < 30
+    assert 0 < pacing.paused_s < 30
 
 
 def test_only_the_paced_thread_pauses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(paced_writes, "PAUSE_PER_SECOND_WORKED", 1e6)
     pacing = Pacing(budget_s=1e9, expected_bytes=1)
-    entered = threading.Event()
+    entered, written = threading.Event(), threading.Event()
 
     def paced_thread() -> None:
         with paced(pacing):
             entered.set()
-            time.sleep(0.5)  # paced, but writes nothing meanwhile
+            written.wait(timeout=60)  # paced, writing nothing, while the foreground writes
 
     thread = threading.Thread(target=paced_thread)
     thread.start()
-    entered.wait(timeout=30)
+    assert entered.wait(timeout=30)
     started = time.perf_counter()
     with open_sliced(tmp_path / "foreground.bin") as file:  # a foreground save beside a paced background write
         file.write(bytes(4 * WRITE_SLICE_BYTES))
-    assert time.perf_counter() - started < 5
+    written.set()
     thread.join(timeout=30)
+    assert time.perf_counter() - started < 30  # a pause would have lasted hours
     assert pacing.paused_s == 0.0
