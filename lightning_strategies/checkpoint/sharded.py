@@ -345,12 +345,6 @@ def read_sharded_meta(directory: Path) -> tuple[dict[str, Any], CheckpointMetada
     return sharded.meta, sharded.metadata, sharded.source
 
 
-def is_sharded_checkpoint(path: Path) -> bool:
-    """Whether the directory ``path`` is a sharded checkpoint (ours or upstream Lightning's: it has ``meta.pt`` or a
-    ``torch.distributed.checkpoint`` ``.metadata``), which a full save at that path may replace."""
-    return any((path / name).is_file() for name in (SHARDED_META_FILE, DCP_METADATA_FILE))
-
-
 def sharded_directory(path: str | Path) -> Path | None:
     """The sharded directory to read for ``path``, or ``None`` when ``path`` is a file (a full checkpoint)."""
     if "://" in str(path):

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any, Final
 
+from lightning_strategies.checkpoint.targets import is_checkpoint_file
+
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1  # a check failed, or a checkpoint cannot be repaired
 EXIT_USAGE: Final = 2  # bad arguments (argparse uses the same code)
@@ -68,6 +70,11 @@ def writable_output(out: Path, source: Path, *, force: bool) -> Path:
         raise UsageError(f"OUT {str(out)!r} is a directory; give the path of the file to write.")
     if out.exists() and not force:
         raise UsageError(f"OUT {str(out)!r} exists; pass --force to replace it, or choose another path.")
+    if out.exists() and not is_checkpoint_file(out):  # --force replaces a checkpoint, never a user's other files
+        raise UsageError(
+            f"OUT {str(out)!r} exists and is not a checkpoint (not in torch.save's format), so --force does not replace"
+            " it; nothing was written. Choose another path, or move that file away."
+        )
     return out
 
 

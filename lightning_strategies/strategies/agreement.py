@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 import torch.distributed
 
 from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError
+from lightning_strategies.checkpoint.targets import ForeignPathError
 
 from .._lightning import _PATH, _distributed_is_initialized, checkpoint_connector, pl
 
@@ -134,18 +136,47 @@ _SAVE_PATH_FIX = (
 )
 
 
-def require_same_save_path(filepath: _PATH) -> None:
-    """Checks that every rank saves to ``filepath`` (a collective): a rank's different path would be ignored."""
-    require_agreement({"filepath": str(filepath)}, _SAVE_PATH, _SAVE_PATH_FIX)
+def _refuse_as_rank_zero(everyone: list[dict[str, Any]]) -> None:
+    """Raises rank 0's refusal of the save's path on every rank (each holds ``everyone``); else returns."""
+    refusal = everyone[0].get("refusal")
+    if isinstance(refusal, str):
+        raise ForeignPathError(errno.EEXIST, refusal)
 
 
-def agree_on_sharded_save(directory: _PATH, proposed_id: str) -> str:
-    """:func:`require_same_save_path` for ``directory`` that also returns rank 0's ``proposed_id`` on every rank: the
-    id of a sharded save (one all-gather, a collective)."""
-    everyone = _gather_from_every_rank({"filepath": str(directory), "save_id": proposed_id})
+def require_same_save_path(filepath: _PATH, refusal: str | None = None) -> None:
+    """Checks that every rank saves to ``filepath`` (a collective): a rank's different path would be ignored.
+
+    Args:
+        filepath: This rank's path.
+        refusal: On the rank that writes (rank 0): why the path must not be replaced
+            (:func:`~lightning_strategies.checkpoint.targets.replace_problem`); raised on every rank.
+
+    Raises:
+        RanksDisagreeError: The ranks save to different paths.
+        ForeignPathError: Rank 0 refused the path; nothing was written.
+    """
+    everyone = _gather_from_every_rank({"filepath": str(filepath), "refusal": refusal})
     if everyone is None:
+        everyone = [{"refusal": refusal}]
+    else:
+        _require_same([{"filepath": values["filepath"]} for values in everyone], _SAVE_PATH, _SAVE_PATH_FIX)
+    _refuse_as_rank_zero(everyone)
+
+
+def agree_on_sharded_save(directory: _PATH, proposed_id: str, refusal: str | None = None) -> str:
+    """:func:`require_same_save_path` for ``directory`` that also returns rank 0's ``proposed_id`` on every rank: the
+    id of a sharded save (one all-gather, a collective).
+
+    Raises:
+        RanksDisagreeError: The ranks save to different directories.
+        ForeignPathError: Rank 0 refused the directory (``refusal``); nothing was written.
+    """
+    everyone = _gather_from_every_rank({"filepath": str(directory), "save_id": proposed_id, "refusal": refusal})
+    if everyone is None:
+        _refuse_as_rank_zero([{"refusal": refusal}])
         return proposed_id
     _require_same([{"filepath": values["filepath"]} for values in everyone], _SAVE_PATH, _SAVE_PATH_FIX)
+    _refuse_as_rank_zero(everyone)
     return str(everyone[0]["save_id"])
 
 

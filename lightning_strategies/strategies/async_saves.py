@@ -321,7 +321,7 @@ class AsyncSaves:
                 self._run_held_transfers()
                 return False
             directory = Path(filepath)
-            save_id = agree_on_sharded_save(directory, new_save_id())
+            save_id = agree_on_sharded_save(directory, new_save_id(), strategy.save_refusal(directory))
             staging = staging_directory(directory, save_id)
             group = self._background_group() if sharded.collective_write else None  # the writes' collectives
             staged = staged_copy(checkpoint)
@@ -347,7 +347,8 @@ class AsyncSaves:
                 group=self._background_group(),  # every rank writes: their threads agree and commit on their own
             )
             return True
-        require_same_save_path(filepath)  # a rank's different path would be silently ignored
+        # A rank's different path would be silently ignored; a path rank 0 must not replace is refused on every rank.
+        require_same_save_path(filepath, strategy.save_refusal(filepath))
         transfers, self._transfers = self._transfers, DeferredTransfers()
         full_writer: Callable[[], None] | None = None
         written: dict[str, Any] | None = None  # rank 0's file

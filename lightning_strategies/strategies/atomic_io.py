@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import errno
 import inspect
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing_extensions import override
 
 from lightning_strategies.checkpoint.atomic import atomic_torch_save
 from lightning_strategies.checkpoint.io import can_map, load_mapped, read_checkpoint
-from lightning_strategies.checkpoint.sharded import is_sharded_checkpoint
+from lightning_strategies.checkpoint.targets import require_replaceable
 
 from .._lightning import (
     _PATH,
@@ -30,8 +29,9 @@ from .._lightning import (
 class AtomicTorchCheckpointIO(TorchCheckpointIO):
     """Lightning's ``TorchCheckpointIO`` with atomic local saves (remote paths keep fsspec's behaviour).
 
-    A local save replaces a sharded checkpoint directory at its path (atomically, as a sharded save replaces a full
-    file) and refuses any other directory there (``IsADirectoryError``).
+    A local save replaces a previous checkpoint at its path, a file or a sharded directory (atomically, as a sharded
+    save replaces a full file), and refuses anything else there
+    (:class:`~lightning_strategies.checkpoint.targets.ForeignPathError`, see that module).
     """
 
     @override
@@ -40,16 +40,10 @@ class AtomicTorchCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         target = Path(path)
-        # A sharded checkpoint at the path (say `last.ckpt` of a run that saved sharded, resumed with full saves) is
-        # replaced as upstream's FSDP strategies replace it, but atomically; any other directory is left alone.
+        # A previous checkpoint at the path (say `last.ckpt` of a run that saved sharded, resumed with full saves) is
+        # replaced, atomically; anything else is left alone (checkpoint.targets).
+        require_replaceable(target, "full")
         over_directory = target.is_dir() and not target.is_symlink()
-        if over_directory and not is_sharded_checkpoint(target):
-            raise IsADirectoryError(
-                errno.EISDIR,
-                f"Cannot save the full checkpoint {str(target)!r}: a directory is there that is not a sharded"
-                " checkpoint (it has no meta.pt), so it is not replaced; nothing was changed. Save to another path"
-                " or remove the directory.",
-            )
         atomic_torch_save(checkpoint, target, over_directory=over_directory)
 
     @override

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -47,6 +48,7 @@ from lightning_strategies.checkpoint.sharded import (
     staging_directory,
     write_sharded_meta,
 )
+from lightning_strategies.checkpoint.targets import removal_problem, replace_problem, same_checkpoint_path
 from lightning_strategies.checkpoint.training_state import holds_optimizer_state, resume_without_optimizer_state
 
 from .._lightning import (
@@ -201,12 +203,21 @@ class CheckpointFlow(ParallelStrategy):
             write = partial(sharded.write, checkpoint, directory)
             self.save_sharded(checkpoint, directory, write, collective_write=sharded.collective_write)
             return
-        require_same_save_path(filepath)  # a rank's different path would be silently ignored
+        # A rank's different path would be silently ignored; a path rank 0 must not replace is refused on every rank.
+        require_same_save_path(filepath, self.save_refusal(filepath))
         if isinstance(self.launcher, CanonicalStateLauncher):  # the main process after a fork/spawn fit
             checkpoint = self.launcher.complete_checkpoint(checkpoint)
         if self.is_global_zero:
             stamped = {**checkpoint, METADATA_KEY: self.checkpoint_metadata().to_dict()}
             self.checkpoint_io.save_checkpoint(stamped, filepath, storage_options=storage_options)
+
+    def save_refusal(self, filepath: _PATH) -> str | None:
+        """On global rank 0: why this strategy's next save must not replace what is at ``filepath`` (a file or
+        directory that is not a checkpoint, see :mod:`~lightning_strategies.checkpoint.targets`); ``None`` when it
+        may, and on every other rank. The save's agreement on its path raises it on every rank, before any write."""
+        if not self.is_global_zero or "://" in str(filepath):
+            return None
+        return replace_problem(filepath, "sharded" if self._saves_sharded else "full")
 
     @property
     def sharded_checkpoint_io(self) -> CheckpointIO:
@@ -225,9 +236,26 @@ class CheckpointFlow(ParallelStrategy):
         """
         if self._async_saves.defer_removal(partial(self.remove_checkpoint, filepath)):
             return  # removed once the pending asynchronous save is complete
+        refusal = self._removal_refusal(filepath) if self.is_global_zero else None
+        if refusal is not None:
+            rank_zero_warn(refusal)
+            return
         if self.is_global_zero and ("://" in str(filepath) or not os.path.lexists(filepath)):
             finish_background_writes(self.checkpoint_io)
         super().remove_checkpoint(filepath)
+
+    def _removal_refusal(self, filepath: _PATH) -> str | None:
+        """Why ``filepath`` is kept although ``ModelCheckpoint`` no longer keeps it: it is the checkpoint this run
+        resumed from (upstream issue 21813: a remote one was removed), or it holds files no checkpoint writes."""
+        module = self.lightning_module
+        trainer = trainer_of(module) if module is not None else None
+        resumed_from = getattr(trainer, "ckpt_path", None) if trainer is not None else None
+        if resumed_from is not None and same_checkpoint_path(filepath, resumed_from):
+            return (
+                f"Not removing {str(filepath)!r}: the run resumed from it, and it stays until you remove it (a later"
+                " failure may need to resume from it again)."
+            )
+        return None if "://" in str(filepath) else removal_problem(filepath)
 
     def save_sharded(
         self,
@@ -258,7 +286,7 @@ class CheckpointFlow(ParallelStrategy):
             BaseException: A write failed, or (with ``AsyncCheckpointIO``) an earlier background write had failed.
         """
         # Shards in different directories: none of them complete.
-        save_id = agree_on_sharded_save(directory, new_save_id())
+        save_id = agree_on_sharded_save(directory, new_save_id(), self.save_refusal(directory))
         staging = staging_directory(directory, save_id)
         if self.is_global_zero:
             remove_stale_saves(directory, keep=staging)

@@ -17,6 +17,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from lightning_strategies import FairScaleFSDPStrategy, FSDP2Strategy, ShardedDDPStrategy
 from lightning_strategies.checkpoint import atomic
 from lightning_strategies.checkpoint.sharded import open_sharded
+from lightning_strategies.checkpoint.targets import ForeignPathError
 from lightning_strategies.strategies.atomic_io import AtomicTorchCheckpointIO
 from tests.support.helpers import assert_same_checkpoint_state, fit, new_model
 
@@ -128,7 +129,7 @@ def test_full_save_refuses_a_directory_that_is_not_a_checkpoint(tmp_path: Path) 
     target.mkdir()
     (target / "notes.txt").write_text("mine")
 
-    with pytest.raises(IsADirectoryError, match="not a sharded checkpoint"):
+    with pytest.raises(ForeignPathError, match="files no checkpoint writes"):
         AtomicTorchCheckpointIO().save_checkpoint({"version": 1}, target)
     assert (target / "notes.txt").read_text() == "mine"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["runs"]

@@ -431,12 +431,23 @@ def test_convert_replaces_an_existing_output_only_with_force(
 ) -> None:
     legacy = _save(_prefixed(_load(written["upstream"]), "module."), tmp_path / "legacy.ckpt")
     out = tmp_path / "out.ckpt"
-    out.write_bytes(b"keep me")
+    torch.save({"an": "older checkpoint"}, out)
+    before = out.read_bytes()
 
     assert main(["convert", str(legacy), str(out)]) == 2
-    assert "pass --force" in capsys.readouterr().err and out.read_bytes() == b"keep me"
+    assert "pass --force" in capsys.readouterr().err and out.read_bytes() == before
     assert main(["convert", str(legacy), str(out), "--force"]) == 0
     assert "module.encoder.weight" not in _load(out)["state_dict"]
+
+
+def test_force_never_replaces_a_file_that_is_not_a_checkpoint(
+    written: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "notes.txt"
+    out.write_bytes(b"keep me")
+
+    assert main(["convert", str(written["upstream"]), str(out), "--force"]) == 2
+    assert "is not a checkpoint" in capsys.readouterr().err and out.read_bytes() == b"keep me"
 
 
 def test_convert_refuses_a_directory_and_names_consolidate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
