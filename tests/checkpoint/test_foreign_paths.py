@@ -218,3 +218,57 @@ def test_every_rank_refuses_a_save_onto_a_path_that_is_not_a_checkpoint(
     fresh = {key: value for key, value in after.items() if key == "fresh" or key.startswith("fresh/")}
     assert fresh, "the save after the refusals wrote nothing"
     assert {key: value for key, value in after.items() if key not in fresh} == before  # no staging left either
+
+
+# ------------------------------------------------------------------ removals: ModelCheckpoint's clean-up
+
+
+class _ResumedTrainer:
+    """Stands in for the Trainer a removal asks which checkpoint the run resumed from."""
+
+    def __init__(self, ckpt_path: str | None) -> None:
+        self.ckpt_path = ckpt_path
+
+
+def _strategy_resumed_from(ckpt_path: str | None) -> Any:
+    strategy = STRATEGY_CLASSES["fsdp2"]()
+    module = new_model()
+    module._trainer = _ResumedTrainer(ckpt_path)  # type: ignore[assignment]
+    strategy._lightning_module = module
+    return strategy
+
+
+def test_a_removal_keeps_a_path_that_holds_a_users_files(tmp_path: Path) -> None:
+    target = tmp_path / "epoch=0.ckpt"
+    build(FIT_OCCUPANTS["checkpoint-with-a-users-file"], target)
+    before = snapshot(tmp_path)
+
+    with pytest.warns(UserWarning, match="Not removing .*notes.txt"):
+        _strategy_resumed_from(None).remove_checkpoint(target)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("written_as", ["same", "with-a-trailing-slash", "through-a-link"])
+def test_a_removal_never_removes_the_checkpoint_the_run_resumed_from(tmp_path: Path, written_as: str) -> None:
+    target = tmp_path / "last.ckpt"
+    build(Occupant("directory", ("meta.pt", ".metadata", "__0_0.distcp")), target)
+    resumed_from = {"same": str(target), "with-a-trailing-slash": f"{target}/", "through-a-link": str(tmp_path / "l")}
+    (tmp_path / "l").symlink_to(target)
+
+    with pytest.warns(UserWarning, match="the run resumed from it"):
+        _strategy_resumed_from(resumed_from[written_as]).remove_checkpoint(target)
+    assert (target / "meta.pt").is_file()
+
+
+def test_a_removal_of_a_remote_resumed_from_checkpoint_is_kept_and_another_is_not(tmp_path: Path) -> None:
+    strategy = _strategy_resumed_from("s3://bucket/run/last.ckpt")
+    assert "resumed from it" in (strategy._removal_refusal("s3://bucket/run/last.ckpt/") or "")
+    assert strategy._removal_refusal("s3://bucket/run/epoch=0.ckpt") is None
+
+
+def test_a_removal_removes_a_previous_checkpoint(tmp_path: Path) -> None:
+    target = tmp_path / "epoch=0.ckpt"
+    build(Occupant("directory", ("meta.pt", ".metadata", "__0_0.distcp", "__1_0.distcp")), target)
+
+    _strategy_resumed_from(str(tmp_path / "other.ckpt")).remove_checkpoint(target)
+    assert not target.exists()
