@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -351,3 +352,19 @@ __all__ = [
     "trainer_of",
     "unroute_precision_plugin",
 ]
+
+
+def reopen_callback_filesystems(trainer: pl.Trainer) -> None:
+    """In a forked worker: gives each callback that holds an fsspec filesystem (``ModelCheckpoint._fs``) a new one.
+
+    An asynchronous filesystem such as ``s3fs`` opened in the main process refuses to work in a fork ("This class is
+    not fork-safe"): its event loop belongs to the parent. ``ModelCheckpoint(dirpath="s3://...")`` opens one when it is
+    built, so every fork fit that saves to a store needs a fresh one in the workers (upstream's ``ddp_fork`` too).
+    """
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        filesystem = getattr(callback, "_fs", None)
+        opened_in = getattr(filesystem, "_pid", None)
+        if filesystem is None or opened_in is None or opened_in == os.getpid():
+            continue
+        rebuild, arguments = filesystem.__reduce__()  # fsspec's own recipe: the class and its storage options
+        callback._fs = rebuild(*arguments)

@@ -34,6 +34,22 @@ class ForeignPathError(FileExistsError):
     """A save's path (or a removal's) holds something that is not a checkpoint; nothing was changed."""
 
 
+class RemoteShardedSaveError(ValueError):
+    """A sharded save (``state_dict_type="sharded"``) was asked to write to a URL; nothing was written."""
+
+
+#: A save's refusal as rank 0 tells every rank of it: which error, and its message.
+SaveRefusal = tuple[Literal["foreign path", "remote sharded"], str]
+
+
+def refusal_error(refusal: SaveRefusal) -> OSError | ValueError:
+    """The exception every rank raises for rank 0's ``refusal``."""
+    kind, message = refusal
+    if kind == "remote sharded":
+        return RemoteShardedSaveError(message)
+    return ForeignPathError(errno.EEXIST, message)
+
+
 def is_checkpoint_file(path: Path) -> bool:
     """Whether the regular file ``path`` is in one of ``torch.save``'s formats (zip with a ``data.pkl``, or legacy)."""
     try:
@@ -141,3 +157,20 @@ def same_checkpoint_path(first: str | Path, second: str | Path) -> bool:
     if "://" in first_text or "://" in second_text:
         return first_text.rstrip("/") == second_text.rstrip("/")
     return os.path.realpath(first_text) == os.path.realpath(second_text)
+
+
+def is_url(path: str | Path) -> bool:
+    """Whether ``path`` is a URL (``s3://bucket/key``, ``memory://x``) rather than a local path."""
+    return "://" in str(path)
+
+
+def remote_sharded_problem(path: str | Path, strategy_name: str) -> str:
+    """The refusal of a sharded save to the URL ``path``: sharded directories are written on local paths only (a URL
+    through ``Path`` would fold into a local folder named ``s3:``, reporting success)."""
+    scheme = str(path).split("://", 1)[0]
+    return (
+        f"Cannot save sharded checkpoints to {str(path)!r}: {strategy_name} writes sharded directories"
+        f" (state_dict_type='sharded') on local or mounted paths only, not to {scheme}:// URLs; nothing was written."
+        f" Save full checkpoints there ({strategy_name}(state_dict_type='full'): one file each, written through fsspec,"
+        " resumed from the URL), or save sharded to a local or mounted path."
+    )

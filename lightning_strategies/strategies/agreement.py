@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import errno
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -17,7 +16,7 @@ import torch
 import torch.distributed
 
 from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError
-from lightning_strategies.checkpoint.targets import ForeignPathError
+from lightning_strategies.checkpoint.targets import SaveRefusal, refusal_error
 
 from .._lightning import _PATH, _distributed_is_initialized, checkpoint_connector, pl
 
@@ -139,11 +138,11 @@ _SAVE_PATH_FIX = (
 def _refuse_as_rank_zero(everyone: list[dict[str, Any]]) -> None:
     """Raises rank 0's refusal of the save's path on every rank (each holds ``everyone``); else returns."""
     refusal = everyone[0].get("refusal")
-    if isinstance(refusal, str):
-        raise ForeignPathError(errno.EEXIST, refusal)
+    if refusal is not None:
+        raise refusal_error(refusal)
 
 
-def require_same_save_path(filepath: _PATH, refusal: str | None = None) -> None:
+def require_same_save_path(filepath: _PATH, refusal: SaveRefusal | None = None) -> None:
     """Checks that every rank saves to ``filepath`` (a collective): a rank's different path would be ignored.
 
     Args:
@@ -153,7 +152,8 @@ def require_same_save_path(filepath: _PATH, refusal: str | None = None) -> None:
 
     Raises:
         RanksDisagreeError: The ranks save to different paths.
-        ForeignPathError: Rank 0 refused the path; nothing was written.
+        ForeignPathError: Rank 0 refused the path (it holds a user's files); nothing was written.
+        RemoteShardedSaveError: Rank 0 refused a sharded save to a URL; nothing was written.
     """
     everyone = _gather_from_every_rank({"filepath": str(filepath), "refusal": refusal})
     if everyone is None:
@@ -163,13 +163,14 @@ def require_same_save_path(filepath: _PATH, refusal: str | None = None) -> None:
     _refuse_as_rank_zero(everyone)
 
 
-def agree_on_sharded_save(directory: _PATH, proposed_id: str, refusal: str | None = None) -> str:
+def agree_on_sharded_save(directory: _PATH, proposed_id: str, refusal: SaveRefusal | None = None) -> str:
     """:func:`require_same_save_path` for ``directory`` that also returns rank 0's ``proposed_id`` on every rank: the
     id of a sharded save (one all-gather, a collective).
 
     Raises:
         RanksDisagreeError: The ranks save to different directories.
         ForeignPathError: Rank 0 refused the directory (``refusal``); nothing was written.
+        RemoteShardedSaveError: Rank 0 refused a sharded save to a URL; nothing was written.
     """
     everyone = _gather_from_every_rank({"filepath": str(directory), "save_id": proposed_id, "refusal": refusal})
     if everyone is None:

@@ -320,8 +320,9 @@ class AsyncSaves:
             if not sharded.writes_in_background:  # the format cannot split its write: written synchronously
                 self._run_held_transfers()
                 return False
+            refusal = strategy.save_refusal(filepath)  # of the path as given: Path() folds a URL's "//"
             directory = Path(filepath)
-            save_id = agree_on_sharded_save(directory, new_save_id(), strategy.save_refusal(directory))
+            save_id = agree_on_sharded_save(directory, new_save_id(), refusal)
             staging = staging_directory(directory, save_id)
             group = self._background_group() if sharded.collective_write else None  # the writes' collectives
             staged = staged_copy(checkpoint)

@@ -321,6 +321,8 @@ class DirectReferenceStrategy(FailureHandling, GradientRouting, CheckpointFlow):
             self.options_fingerprint(), "the strategy's options", "configure the strategy the same way"
         )
         agree_on_resume_path(trainer, self.require_agreement, then=self.before_restore)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.refuse_remote_sharded_saves(trainer)
         self.accelerator.setup(trainer)
         if not self._evaluates_in_inference_mode:
             evaluate_under_no_grad(trainer)

@@ -48,7 +48,15 @@ from lightning_strategies.checkpoint.sharded import (
     staging_directory,
     write_sharded_meta,
 )
-from lightning_strategies.checkpoint.targets import removal_problem, replace_problem, same_checkpoint_path
+from lightning_strategies.checkpoint.targets import (
+    RemoteShardedSaveError,
+    SaveRefusal,
+    is_url,
+    remote_sharded_problem,
+    removal_problem,
+    replace_problem,
+    same_checkpoint_path,
+)
 from lightning_strategies.checkpoint.training_state import holds_optimizer_state, resume_without_optimizer_state
 
 from .._lightning import (
@@ -201,7 +209,8 @@ class CheckpointFlow(ParallelStrategy):
             sharded = self._require_sharded_format()
             directory = Path(filepath)
             write = partial(sharded.write, checkpoint, directory)
-            self.save_sharded(checkpoint, directory, write, collective_write=sharded.collective_write)
+            refusal = self.save_refusal(filepath)  # of the path as given: Path() folds a URL's "//"
+            self.save_sharded(checkpoint, directory, write, collective_write=sharded.collective_write, refusal=refusal)
             return
         # A rank's different path would be silently ignored; a path rank 0 must not replace is refused on every rank.
         require_same_save_path(filepath, self.save_refusal(filepath))
@@ -211,13 +220,35 @@ class CheckpointFlow(ParallelStrategy):
             stamped = {**checkpoint, METADATA_KEY: self.checkpoint_metadata().to_dict()}
             self.checkpoint_io.save_checkpoint(stamped, filepath, storage_options=storage_options)
 
-    def save_refusal(self, filepath: _PATH) -> str | None:
-        """On global rank 0: why this strategy's next save must not replace what is at ``filepath`` (a file or
-        directory that is not a checkpoint, see :mod:`~lightning_strategies.checkpoint.targets`); ``None`` when it
-        may, and on every other rank. The save's agreement on its path raises it on every rank, before any write."""
-        if not self.is_global_zero or "://" in str(filepath):
+    def save_refusal(self, filepath: _PATH) -> SaveRefusal | None:
+        """On global rank 0: why this strategy's next save must not write to ``filepath``: it holds a file or directory
+        that is not a checkpoint (see :mod:`~lightning_strategies.checkpoint.targets`), or it is a URL and the save is
+        sharded; ``None`` when it may, and on every other rank. The save's agreement on its path raises it on every
+        rank, before any write."""
+        if not self.is_global_zero:
             return None
-        return replace_problem(filepath, "sharded" if self._saves_sharded else "full")
+        if is_url(filepath):  # a full file goes through fsspec; a sharded directory would land in a local "s3:"
+            return (
+                ("remote sharded", remote_sharded_problem(filepath, self.strategy_name))
+                if self._saves_sharded
+                else None
+            )
+        problem = replace_problem(filepath, "sharded" if self._saves_sharded else "full")
+        return None if problem is None else ("foreign path", problem)
+
+    def refuse_remote_sharded_saves(self, trainer: pl.Trainer) -> None:
+        """At fit start, on every rank alike: a ``ModelCheckpoint`` that would save sharded directories to a URL is
+        refused before the first step (its first save would be refused after an epoch of training).
+
+        Raises:
+            RemoteShardedSaveError: A checkpoint callback's ``dirpath`` is a URL and this strategy saves sharded.
+        """
+        if not self._saves_sharded:
+            return
+        for callback in trainer.checkpoint_callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            if dirpath is not None and is_url(dirpath):
+                raise RemoteShardedSaveError(remote_sharded_problem(dirpath, self.strategy_name))
 
     @property
     def sharded_checkpoint_io(self) -> CheckpointIO:
@@ -264,6 +295,7 @@ class CheckpointFlow(ParallelStrategy):
         write_shards: Callable[[Path, str], None],
         *,
         collective_write: bool = False,
+        refusal: SaveRefusal | None = None,
     ) -> None:
         """Writes a sharded checkpoint directory atomically: the previous save stays until this one is whole.
 
@@ -281,12 +313,15 @@ class CheckpointFlow(ParallelStrategy):
             collective_write: ``write_shards`` returns on rank 0 only once every rank's shards are written
                 (``torch.distributed.checkpoint.save`` does: its last step gathers every rank's write results), so
                 rank 0 needs no barrier before it swaps the directory in.
+            refusal: Rank 0's refusal of the path as the caller was given it (:meth:`save_refusal`); by default the
+                refusal of ``directory``.
 
         Raises:
             BaseException: A write failed, or (with ``AsyncCheckpointIO``) an earlier background write had failed.
         """
         # Shards in different directories: none of them complete.
-        save_id = agree_on_sharded_save(directory, new_save_id(), self.save_refusal(directory))
+        refusal = self.save_refusal(directory) if refusal is None else refusal
+        save_id = agree_on_sharded_save(directory, new_save_id(), refusal)
         staging = staging_directory(directory, save_id)
         if self.is_global_zero:
             remove_stale_saves(directory, keep=staging)

@@ -42,6 +42,7 @@ from .._lightning import (
     launched_strategy,
     load_weights_only,
     pl,
+    reopen_callback_filesystems,
 )
 from .atomic_io import synchronous_checkpoint_io
 from .meta_init import has_meta_tensors, materialise_meta_tensors
@@ -107,6 +108,8 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            # Refused here, in the main process, with the error itself (the workers' would arrive wrapped).
+            self._launched_strategy.refuse_remote_sharded_saves(trainer)  # type: ignore[attr-defined]
             self._end_of_fit_state = None  # a new fit: the last one's state is stale (and freed before workers start)
         self._errors_dir = tempfile.mkdtemp(prefix="lightning_strategies_errors_")
         self.workers_failed = False
@@ -128,6 +131,9 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
     @override
     def _wrapping_function(self, process_idx: int, *args: Any) -> None:
         try:
+            trainer = args[0] if args else None
+            if self._start_method == "fork" and isinstance(trainer, pl.Trainer):
+                reopen_callback_filesystems(trainer)  # s3fs opened in the parent refuses to work in a fork
             super()._wrapping_function(process_idx, *args)
             # The worker is done (its results are queued, every rank passed teardown's barrier). Leaving the process
             # group to the interpreter's exit let a spawned worker abort now and then ("terminate called without an
