@@ -21,7 +21,6 @@ from types import ModuleType
 from .._flavour import LIGHTNING, PYTORCH_LIGHTNING, flavour_of
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.safetensors_export import Export
-from ..checkpoint.targets import is_url
 from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CommandError, UsageError, human_bytes
 from .consolidate import consolidate_checkpoint
 from .convert import CONVERTED_STRATEGY, convert_checkpoint
@@ -250,10 +249,9 @@ def _convert(args: argparse.Namespace) -> int:
 def _consolidate(args: argparse.Namespace) -> int:
     with checkpoint_input(args.directory) as source, output(args.out, force=args.force) as out:
         result = consolidate_checkpoint(source.path, out, force=args.force, show_progress=not args.no_progress)
-    result.out = Path(args.out) if not is_url(args.out) else result.out
     block = result.metadata
     print(
-        f"Wrote {result.out}: full checkpoint of {block['strategy']!r} (trained at world size {block['world_size']})"
+        f"Wrote {args.out}: full checkpoint of {block['strategy']!r} (trained at world size {block['world_size']})"
         f" from {result.format}, {result.tensors} model tensors and {result.optimizer_tensors} optimizer-state"
         " tensors. Every strategy resumes it."
     )
