@@ -51,6 +51,13 @@ def test_the_upstream_style_test_passes_with_the_change(
     assert error is None, error
 
 
+@pytest.mark.parametrize("slug", BY_SLUG)
+def test_the_first_upstream_style_test_fails_on_upstream_as_released(
+    slug: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    assert _result(slug, tmp_path_factory).tests_on_released == {BY_SLUG[slug].tests[0].__name__: False}
+
+
 def test_the_index_table_on_the_page_is_what_the_runs_gave(tmp_path_factory: pytest.TempPathFactory) -> None:
     table = index_table({slug: _result(slug, tmp_path_factory) for slug in BY_SLUG})
     assert table in PAGE.read_text()

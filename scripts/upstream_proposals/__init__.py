@@ -15,6 +15,7 @@ import inspect
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -79,11 +80,14 @@ class Result:
         released: The reproduction on upstream's class as released.
         changed: The reproduction on upstream's class with the change.
         tests: Each upstream-style test's name and ``None`` (passed) or the end of its traceback, with the change.
+        tests_on_released: The first upstream-style test's name (the one that shows the problem) and whether it
+            passed on upstream's class as released (failing there, it is a test that would have caught the problem).
     """
 
     released: Outcome
     changed: Outcome
     tests: dict[str, str | None]
+    tests_on_released: dict[str, bool]
 
 
 def run(proposal: Proposal, root: Path) -> Result:
@@ -92,6 +96,10 @@ def run(proposal: Proposal, root: Path) -> Result:
         released=run_reproduction(proposal, root / "released", proposal.released),
         changed=run_reproduction(proposal, root / "changed", proposal.changed),
         tests={test.__name__: run_test(test, root / test.__name__) for test in proposal.tests},
+        tests_on_released={  # the first test is the one that shows the problem; the others guard what must stay
+            test.__name__: run_test(partial(test, cls=proposal.released), root / f"{test.__name__}-released") is None
+            for test in proposal.tests[:1]
+        },
     )
 
 
@@ -137,6 +145,7 @@ def _section(proposal: Proposal, result: Result) -> list[str]:
         f"Upstream issue: {_issue_cell(proposal)}. Severity: {proposal.severity}."
         f" Status on upstream's main branch: {proposal.status}.",
         "",
+        *([" ".join(proposal.notes), ""] if proposal.notes else []),
         f"### The issue ({template} template)",
         "",
     ]
@@ -159,7 +168,13 @@ def _section(proposal: Proposal, result: Result) -> list[str]:
         "",
     ]
     for name, error in result.tests.items():
-        lines.append(f"- `{name}`: {'passes' if error is None else 'FAILS'} with the change.")
+        if name not in result.tests_on_released:
+            released = "run with the change only (on upstream as released the first test is run)"
+        elif result.tests_on_released[name]:
+            released = "PASSES on upstream as released too"
+        else:
+            released = "fails on upstream as released"
+        lines.append(f"- `{name}`: {'passes' if error is None else 'FAILS'} with the change; {released}.")
     return [*lines, ""]
 
 

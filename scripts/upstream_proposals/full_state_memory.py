@@ -119,6 +119,30 @@ class _ShardedBoringModel(BoringModel):
         return torch.optim.Adam(self.parameters())
 
 
+class _MeasuredBoringModel(_ShardedBoringModel):
+    heap_and_largest = (0, 0)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        tensors = _tensors([checkpoint["state_dict"], checkpoint["optimizer_states"]])
+        heap = sum(t.untyped_storage().nbytes() for t in tensors if not t.untyped_storage().filename)
+        self.heap_and_largest = (heap, max((t.untyped_storage().nbytes() for t in tensors), default=0))
+
+
+def _save_measured(root: Path, cls: type) -> tuple[int, int]:
+    model = _MeasuredBoringModel()
+    fitted = trainer(cls(data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False), root)
+    fitted.fit(model)
+    fitted.save_checkpoint(root / "full.ckpt")
+    return model.heap_and_largest
+
+
+def test_full_checkpoint_holds_at_most_one_gathered_tensor_in_memory(
+    tmp_path: Path, cls: type = GatheredOneAtATime
+) -> None:
+    heap, largest = on_two_ranks(lambda: _save_measured(tmp_path, cls))[0]
+    assert heap <= largest
+
+
 def _save(root: Path, cls: type) -> None:
     fitted = trainer(cls(data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False), root)
     fitted.fit(_ShardedBoringModel())
@@ -171,7 +195,10 @@ PROPOSAL = Proposal(
     released=ModelParallelStrategy,
     changed=GatheredOneAtATime,
     reproduce=reproduce,
-    tests=(test_full_checkpoint_gathered_one_tensor_at_a_time_is_complete,),
+    tests=(
+        test_full_checkpoint_holds_at_most_one_gathered_tensor_in_memory,
+        test_full_checkpoint_gathered_one_tensor_at_a_time_is_complete,
+    ),
     upstream_test_file="tests_pytorch/strategies/test_model_parallel_integration.py",
     notes=(f"Issues: {ISSUES}20312, {ISSUES}11207.",),
 )

@@ -9,6 +9,8 @@ from unittest import mock
 
 import lightning_fabric.strategies.model_parallel as fabric_model_parallel
 import torch
+from lightning_fabric import Fabric
+from lightning_fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from pytorch_lightning.demos.boring_classes import BoringModel
 from pytorch_lightning.strategies import ModelParallelStrategy
 from torch import nn
@@ -53,6 +55,19 @@ class RekeyedThroughGroups(ModelParallelStrategy):
 
         with mock.patch.object(fabric_model_parallel, "_rekey_optimizer_state_if_needed", rekey):
             return super().load_checkpoint(checkpoint_path, weights_only)
+
+
+class FabricRekeyedThroughGroups(FabricModelParallelStrategy):
+    """The same change on Fabric's ``ModelParallelStrategy`` (``fabric.load`` of a full file)."""
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> dict[str, Any]:
+        optimizers = iter([obj for obj in (state or {}).values() if isinstance(obj, Optimizer)])
+
+        def rekey(optimizer_state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+            return names_through_groups(optimizer_state, module, next(optimizers))
+
+        with mock.patch.object(fabric_model_parallel, "_rekey_optimizer_state_if_needed", rekey):
+            return super().load_checkpoint(path, state, strict, **kwargs)
 
 
 def reproduce(root: Path, cls: type) -> Outcome:
@@ -123,6 +138,46 @@ def test_load_full_checkpoint_with_param_groups_in_another_order(
     on_two_ranks(lambda: _resume_and_compare(tmp_path, cls(data_parallel_size=2, tensor_parallel_size=1)))
 
 
+def _shard(module: nn.Module, mesh: Any) -> nn.Module:
+    fully_shard(module.layer, mesh=mesh["data_parallel"])
+    return module
+
+
+def _fabric_load_and_compare(root: Path, cls: type) -> None:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=cls(_shard, data_parallel_size=2, tensor_parallel_size=1))
+    fabric.launch()
+    fabric.seed_everything(1)
+    model = fabric.setup_module(_GroupsInReverse())
+    first, second = model.layer
+    optimizer = torch.optim.Adam([{"params": second.parameters(), "lr": 0.01}, {"params": first.parameters()}])
+    optimizer = fabric.setup_optimizers(optimizer)
+    fabric.load(root / "plain.ckpt", {"model": model, "optimizer": optimizer})
+    saved = torch.load(root / "plain.ckpt", weights_only=True)["optimizer"]
+    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups, strict=True):
+        assert group["lr"] == saved_group["lr"]
+        for number, param in zip(saved_group["params"], group["params"], strict=True):
+            torch.testing.assert_close(_full(optimizer.state[param]["exp_avg"]), saved["state"][number]["exp_avg"])
+
+
+def _plain_checkpoint(path: Path) -> None:
+    """A file in torch's layout (as ``ddp`` or a single device writes it): one Adam step on ``_GroupsInReverse``."""
+    torch.manual_seed(0)
+    model = _GroupsInReverse()
+    first, second = model.layer
+    optimizer = torch.optim.Adam([{"params": second.parameters(), "lr": 0.01}, {"params": first.parameters()}])
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+
+
+def test_fabric_load_full_checkpoint_with_param_groups_in_another_order(
+    tmp_path: Path, cls: type = RekeyedThroughGroups
+) -> None:
+    fabric_cls = FabricRekeyedThroughGroups if cls is RekeyedThroughGroups else FabricModelParallelStrategy
+    _plain_checkpoint(tmp_path / "plain.ckpt")
+    on_two_ranks(lambda: _fabric_load_and_compare(tmp_path, fabric_cls))
+
+
 PROPOSAL = Proposal(
     slug="optimizer-state-order",
     title="ModelParallelStrategy puts optimizer state on the wrong parameters when loading a full checkpoint whose"
@@ -131,7 +186,8 @@ PROPOSAL = Proposal(
     issues=(),
     severity="silent wrong training",
     status=f"open: `_rekey_optimizer_state_if_needed` still calls `FSDP.rekey_optim_state_dict(..., PARAM_NAME,"
-    f" module)` on {UPSTREAM_MAIN}; no issue found",
+    f" module)` on {UPSTREAM_MAIN}; no Lightning issue found (the same re-keying in torch's FSDP1 is"
+    " pytorch/pytorch#113673)",
     template={
         "Bug description": "Resuming a full checkpoint (a `ddp` file, or `ModelParallelStrategy("
         "save_distributed_checkpoint=False)`'s own) under `ModelParallelStrategy` restores each parameter's optimizer"
@@ -158,10 +214,17 @@ PROPOSAL = Proposal(
     cost="Behaviour: files whose groups follow the module's order load as before; the others now load right. A"
     " file whose groups do not match the optimizer's (count or length) raises instead of loading silently wrong."
     " Nothing else reads the function.",
-    fix=(names_through_groups, RekeyedThroughGroups.load_checkpoint),
+    fix=(names_through_groups, RekeyedThroughGroups.load_checkpoint),  # Fabric's override is the same lines
     released=ModelParallelStrategy,
     changed=RekeyedThroughGroups,
     reproduce=reproduce,
-    tests=(test_load_full_checkpoint_with_param_groups_in_another_order,),
+    tests=(
+        test_load_full_checkpoint_with_param_groups_in_another_order,
+        test_fabric_load_full_checkpoint_with_param_groups_in_another_order,
+    ),
     upstream_test_file="tests_pytorch/strategies/test_model_parallel_integration.py",
+    notes=(
+        "The Fabric test goes into upstream's `tests_fabric/strategies/test_model_parallel_integration.py`; the change"
+        " is in Fabric's `_load_checkpoint`, which both strategies call.",
+    ),
 )
