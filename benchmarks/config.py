@@ -117,6 +117,8 @@ class Config:
         benchmarks: Benchmarks to run.
         store_url: Where the store benchmark saves (``s3://<bucket>``, a bucket of the server the run started; its
             credentials reach the ranks as environment variables, never through the configuration).
+        store_repeats: Repeats of each side of the store benchmark's saves and resumes (its uploads vary more than
+            local writes).
         store_saves: Asynchronous saves of each fit of the store benchmark (``async_saves`` for local files).
     """
 
@@ -142,6 +144,7 @@ class Config:
     strategies: tuple[str, ...] = STRATEGIES
     benchmarks: tuple[str, ...] = BENCHMARKS
     store_url: str | None = None
+    store_repeats: int = 7
     store_saves: int = 8
 
     def to_json(self) -> dict[str, Any]:
@@ -177,6 +180,7 @@ SMOKE = Config(
     scaling_width=64,
     scaling_repeats=1,
     async_saves=1,
+    store_repeats=1,
     store_saves=1,
     gpt2_vocab=128,
     gpt2_width=32,

@@ -167,7 +167,7 @@ def measure_variant(config: Config, name: str, kind: str, workdir: Path) -> dict
     local.parent.mkdir(parents=True, exist_ok=True)
     work = workload(config)
     data = work.data(work.batch_size * dist.get_world_size() * SAVE_STEPS)
-    saver = _StoreSaves(local, url, config.repeats)
+    saver = _StoreSaves(local, url, config.store_repeats)
     module = work.new_model()
     trainer(build_strategy(name, kind, module), [saver], max_epochs=1).fit(
         module, train_dataloaders=lightning_loader(data, work.batch_size)
@@ -181,7 +181,7 @@ def measure_variant(config: Config, name: str, kind: str, workdir: Path) -> dict
     def build(module: BenchModule) -> str | Strategy:
         return build_strategy(name, kind, module)
 
-    for repeat in range(config.repeats):
+    for repeat in range(config.store_repeats):
         shift = repeat % len(RESUME_SIDES)
         for side in RESUME_SIDES[shift:] + RESUME_SIDES[:shift]:
             if side in ("remote", "download") and error is not None:
