@@ -59,8 +59,8 @@ def _writing(trainer: pl.Trainer) -> bool:
 
 
 class _BlockedTimer(pl.Callback):
-    """Saves every ``STEPS_BETWEEN_SAVES`` steps after the warm-up and records how long each save call blocked this
-    rank (it includes waiting for and committing the save before it), and the staging copy's size.
+    """Saves every ``interval`` steps (``STEPS_BETWEEN_SAVES``) after the warm-up and records how long each save call
+    blocked this rank (it includes waiting for and committing the save before it), and the staging copy's size.
 
     Also times every step after the warm-up (``on_train_batch_start`` to ``on_train_batch_end``, before the save there)
     with whether this rank's background write ran at the step's start and at its end — the steps a write runs
@@ -68,8 +68,9 @@ class _BlockedTimer(pl.Callback):
     before it saved (the same steps in the synchronous fit: a control for what follows a save anyway).
     """
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, interval: int = STEPS_BETWEEN_SAVES) -> None:
         self.path = path
+        self.interval = interval
         self.blocked: list[float] = []
         self.waited: list[float] = []  # of which: waiting for the save before (write, agreement, commit)
         self.started: list[float] = []  # of which: starting this one (staging copy included)
@@ -96,7 +97,7 @@ class _BlockedTimer(pl.Callback):
             self.writing_at.append((self._writing_at_start, _writing(trainer)))
             self.after_save.append(self._saved)
         self._saved = False
-        if step <= WARMUP_STEPS or (step - WARMUP_STEPS) % STEPS_BETWEEN_SAVES:
+        if step <= WARMUP_STEPS or (step - WARMUP_STEPS) % self.interval:
             return
         self._saved = True
         start = time.perf_counter()
@@ -128,13 +129,15 @@ def measure(
     saves: int,
     workdir: Path,
     store_url: str | None = None,
+    interval: int = STEPS_BETWEEN_SAVES,
 ) -> dict[str, Any]:
-    """One fit with ``saves`` synchronous saves and one with as many asynchronous ones; per-rank blocked seconds.
+    """One fit with ``saves`` synchronous saves and one with as many asynchronous ones, ``interval`` steps apart;
+    per-rank blocked seconds.
 
     With ``store_url`` the saves go to the store (``<store_url>/async/...``) instead of ``workdir``.
     """
     work = workload(config, model)
-    steps = WARMUP_STEPS + saves * STEPS_BETWEEN_SAVES
+    steps = WARMUP_STEPS + saves * interval
     result: dict[str, Any] = {}
     for side, async_save in (("sync", False), ("async", True)):
         filename = f"async-bench-{variant_key(name, state_dict_type, model)}-{side}.ckpt"
@@ -147,7 +150,7 @@ def measure(
             path.parent.mkdir(parents=True, exist_ok=True)
         remove(path)
         module = work.new_model()
-        timer = _BlockedTimer(path)
+        timer = _BlockedTimer(path, interval)
         data = work.data(work.batch_size * dist.get_world_size() * steps)
         trainer(format_strategy(name, state_dict_type, module, async_save), [timer], max_steps=steps).fit(
             module, train_dataloaders=lightning_loader(data, work.batch_size)
