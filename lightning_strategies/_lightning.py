@@ -368,3 +368,23 @@ def reopen_callback_filesystems(trainer: pl.Trainer) -> None:
             continue
         rebuild, arguments = filesystem.__reduce__()  # fsspec's own recipe: the class and its storage options
         callback._fs = rebuild(*arguments)
+
+
+class _LastCheckpointsAsUrls:
+    """A ``ModelCheckpoint``'s ``_find_last_checkpoints`` for a ``dirpath`` on a store: Lightning's own listing, with
+    each path made a URL a restore can read by ``to_urls`` (``ckpt_path="last"`` otherwise trained from scratch: the
+    listing drops the scheme). A picklable callable, so that spawned workers get it with the callback."""
+
+    def __init__(self, callback: Any, to_urls: Callable[[set[str], Callable[[str], str]], set[str]]) -> None:
+        self.callback, self.to_urls = callback, to_urls
+
+    def __call__(self, trainer: pl.Trainer) -> set[str]:
+        found: set[str] = type(self.callback)._find_last_checkpoints(self.callback, trainer)
+        return self.to_urls(found, self.callback._fs.unstrip_protocol)
+
+
+def find_last_checkpoints_as_urls(callback: Any, to_urls: Callable[[set[str], Callable[[str], str]], set[str]]) -> None:
+    """Makes ``callback`` (a ``ModelCheckpoint`` whose ``dirpath`` is a URL) name its ``last*.ckpt`` by URL (see
+    :class:`_LastCheckpointsAsUrls`); on that one callback only, once."""
+    if not isinstance(vars(callback).get("_find_last_checkpoints"), _LastCheckpointsAsUrls):
+        callback._find_last_checkpoints = _LastCheckpointsAsUrls(callback, to_urls)

@@ -21,3 +21,8 @@ class ModelStateMismatchError(CheckpointError):
 
 class OptimizerStateMismatchError(CheckpointError):
     """The checkpoint's optimizer states do not fit the optimizers returned by ``configure_optimizers``."""
+
+
+class StoreError(CheckpointError):
+    """An object store cannot be reached as a checkpoint URL asks (no such bucket, credentials refused, no fsspec
+    backend for its scheme); nothing was written, the previous checkpoint is untouched."""

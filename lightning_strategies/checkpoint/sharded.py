@@ -173,11 +173,13 @@ def _save_block(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     return dict(block)
 
 
-def open_sharded(path: Path) -> ShardedCheckpoint:
+def open_sharded(path: Path, source: str | None = None) -> ShardedCheckpoint:
     """Reads and checks ``path/meta.pt`` and finds the directory's format.
 
     Args:
         path: The sharded checkpoint directory.
+        source: How error messages name it (a stored save read from a local copy is named by its URL); by default
+            ``Sharded checkpoint '<path>'``.
 
     Returns:
         The directory, ready for :func:`read_rank_file` / :func:`check_sharded_files`.
@@ -188,7 +190,7 @@ def open_sharded(path: Path) -> ShardedCheckpoint:
             no shards.
     """
     directory = resolve_sharded_directory(path)
-    source = f"Sharded checkpoint {str(path)!r}"
+    source = source if source is not None else f"Sharded checkpoint {str(path)!r}"
     if not directory.is_dir():
         raise CheckpointFormatError(f"{source} is not a directory.")
     meta_path = directory / SHARDED_META_FILE

@@ -18,7 +18,9 @@ import os
 import re
 import zipfile
 from pathlib import Path
-from typing import Final, Literal
+from typing import IO, Final, Literal
+
+from lightning_strategies.checkpoint.errors import StoreError
 
 #: The entries a sharded checkpoint directory holds: ours (``meta.pt``, fsdp_fairscale's ``rank<r>.pt``) and
 #: ``torch.distributed.checkpoint``'s (``.metadata``, ``__<rank>_<n>.distcp``), as upstream Lightning writes them too.
@@ -39,14 +41,16 @@ class RemoteShardedSaveError(ValueError):
 
 
 #: A save's refusal as rank 0 tells every rank of it: which error, and its message.
-SaveRefusal = tuple[Literal["foreign path", "remote sharded"], str]
+SaveRefusal = tuple[Literal["foreign path", "remote sharded", "store"], str]
 
 
-def refusal_error(refusal: SaveRefusal) -> OSError | ValueError:
+def refusal_error(refusal: SaveRefusal) -> Exception:
     """The exception every rank raises for rank 0's ``refusal``."""
     kind, message = refusal
     if kind == "remote sharded":
         return RemoteShardedSaveError(message)
+    if kind == "store":
+        return StoreError(message)
     return ForeignPathError(errno.EEXIST, message)
 
 
@@ -54,14 +58,22 @@ def is_checkpoint_file(path: Path) -> bool:
     """Whether the regular file ``path`` is in one of ``torch.save``'s formats (zip with a ``data.pkl``, or legacy)."""
     try:
         with path.open("rb") as file:
-            if file.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC:
-                return True
-            file.seek(0)
-            if not zipfile.is_zipfile(file):
-                return False
-            file.seek(0)
-            with zipfile.ZipFile(file) as archive:
-                return any(name == "data.pkl" or name.endswith("/data.pkl") for name in archive.namelist())
+            return is_checkpoint_stream(file)
+    except OSError:
+        return False
+
+
+def is_checkpoint_stream(file: IO[bytes]) -> bool:
+    """Whether the seekable binary ``file`` (local or a store's) is in one of ``torch.save``'s formats."""
+    try:
+        if file.read(len(_LEGACY_MAGIC)) == _LEGACY_MAGIC:
+            return True
+        file.seek(0)
+        if not zipfile.is_zipfile(file):
+            return False
+        file.seek(0)
+        with zipfile.ZipFile(file) as archive:
+            return any(name == "data.pkl" or name.endswith("/data.pkl") for name in archive.namelist())
     except (OSError, zipfile.BadZipFile, ValueError):
         return False
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed
 
-from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError
+from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError, StoreError
 from lightning_strategies.checkpoint.targets import SaveRefusal, refusal_error
 
 from .._lightning import _PATH, _distributed_is_initialized, checkpoint_connector, pl
@@ -39,6 +39,8 @@ RUN_STATE_ATTRIBUTES = frozenset(
         "_inside_steps",
         "_stops",
         "_async_saves",  # the pending asynchronous save
+        "_store_downloads",  # local copies of a stored save being restored
+        "_resumed_store_save",
     }
 )
 
@@ -236,3 +238,20 @@ def refuse_unless_every_rank_fits(problem: CheckpointError | None) -> None:
         raise CheckpointFormatError(f"Rank {rank} refused its shard; nothing was loaded. {text}")
     if problem is not None:
         raise problem
+
+
+def gather_uploads(uploaded: Mapping[str, int] | str) -> dict[str, int]:
+    """Every rank's part of a save uploaded to a store: the files and sizes of all ranks, merged (a collective).
+
+    Args:
+        uploaded: This rank's uploaded files and their sizes, or why its upload failed.
+
+    Raises:
+        StoreError: On every rank, naming each rank whose upload failed (the save is left uncommitted).
+    """
+    everyone = _gather_from_every_rank(uploaded if isinstance(uploaded, str) else dict(uploaded))
+    parts = [uploaded] if everyone is None else everyone
+    failures = [f"rank {rank}: {part}" for rank, part in enumerate(parts) if isinstance(part, str)]
+    if failures:
+        raise StoreError("A save's upload failed, so it was not committed:\n  " + "\n  ".join(failures[:8]))
+    return {name: size for part in parts if isinstance(part, Mapping) for name, size in part.items()}

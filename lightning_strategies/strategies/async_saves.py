@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import logging
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -41,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from lightning_strategies.checkpoint.atomic import raise_if_disk_full, replace_directory
 from lightning_strategies.checkpoint.metadata import METADATA_KEY
 from lightning_strategies.checkpoint.paced_writes import Pacing, paced
+from lightning_strategies.checkpoint.remote import open_store
 from lightning_strategies.checkpoint.sharded import (
     SHARDED_STATE_KEYS,
     new_save_id,
@@ -48,14 +50,17 @@ from lightning_strategies.checkpoint.sharded import (
     staging_directory,
     write_sharded_meta,
 )
+from lightning_strategies.checkpoint.targets import SaveRefusal, is_url
 
 from .._lightning import _PATH, _distributed_is_initialized, trainer_of
 from . import background_priority
 from .agreement import agree_on_sharded_save, require_same_save_path
 from .gather import DeferredTransfers, deferring_transfers, is_fresh_copy
+from .store_saves import background_upload, commit_uploaded
 
 if TYPE_CHECKING:
     from .base import DirectReferenceStrategy
+    from .sharded_format import ShardedFormat
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +325,9 @@ class AsyncSaves:
             if not sharded.writes_in_background:  # the format cannot split its write: written synchronously
                 self._run_held_transfers()
                 return False
-            refusal = strategy.save_refusal(filepath)  # of the path as given: Path() folds a URL's "//"
+            refusal = strategy.save_refusal(filepath, storage_options)  # of the path as given: Path() folds "//"
+            if is_url(filepath):
+                return self._start_store_save(sharded, checkpoint, str(filepath), storage_options, refusal)
             directory = Path(filepath)
             save_id = agree_on_sharded_save(directory, new_save_id(), refusal)
             staging = staging_directory(directory, save_id)
@@ -349,7 +356,7 @@ class AsyncSaves:
             )
             return True
         # A rank's different path would be silently ignored; a path rank 0 must not replace is refused on every rank.
-        require_same_save_path(filepath, strategy.save_refusal(filepath))
+        require_same_save_path(filepath, strategy.save_refusal(filepath, storage_options))
         transfers, self._transfers = self._transfers, DeferredTransfers()
         full_writer: Callable[[], None] | None = None
         written: dict[str, Any] | None = None  # rank 0's file
@@ -366,6 +373,45 @@ class AsyncSaves:
             pacing=self._pacing(written),
             sharded=False,
             transfers=transfers if len(transfers) else None,
+        )
+        return True
+
+    def _start_store_save(
+        self,
+        sharded: ShardedFormat,
+        checkpoint: dict[str, Any],
+        url: str,
+        storage_options: Any | None,
+        refusal: SaveRefusal | None,
+    ) -> bool:
+        """A sharded save to a store in the background: each rank's thread writes its shards into a local scratch
+        directory and uploads them under the save's prefix; once every rank's upload succeeded, rank 0's thread
+        uploads ``meta.pt`` and writes the commit marker (``store_saves``). A failure leaves it uncommitted."""
+        strategy = self._strategy
+        store = open_store(url, storage_options)
+        save_id = agree_on_sharded_save(url, new_save_id(), refusal)
+        scratch = Path(tempfile.mkdtemp(prefix="lightning-strategies-upload-"))
+        group = self._background_group() if sharded.collective_write else None  # the writes' collectives
+        staged = staged_copy(checkpoint)
+        writes = sharded.background_writer(staged, Path(url), scratch, save_id, group)
+        self.last_staged_bytes = staged_bytes(staged)
+        rest = {key: value for key, value in staged.items() if key not in SHARDED_STATE_KEYS}  # meta.pt's part
+        commit = partial(
+            commit_uploaded,
+            store,
+            save_id,
+            rest,
+            strategy.checkpoint_metadata(),
+            strategy.sharded_checkpoint_io,
+            strategy.stored_saves_to_keep(url),
+        )
+        self._start_in_background(
+            url,
+            background_upload(writes, store, save_id, scratch),
+            pacing=self._pacing(staged),
+            sharded=True,
+            commit=commit if strategy.is_global_zero else None,
+            group=self._background_group(),  # every rank uploads: their threads agree and commit on their own
         )
         return True
 

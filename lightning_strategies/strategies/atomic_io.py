@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 from typing_extensions import override
 
 from lightning_strategies.checkpoint.atomic import atomic_torch_save
 from lightning_strategies.checkpoint.io import can_map, load_mapped, read_checkpoint
-from lightning_strategies.checkpoint.targets import require_replaceable
+from lightning_strategies.checkpoint.remote import open_store, remove_saves, streamed_write
+from lightning_strategies.checkpoint.targets import is_url, require_replaceable
 
 from .._lightning import (
     _PATH,
@@ -27,17 +30,25 @@ from .._lightning import (
 
 
 class AtomicTorchCheckpointIO(TorchCheckpointIO):
-    """Lightning's ``TorchCheckpointIO`` with atomic local saves (remote paths keep fsspec's behaviour).
+    """Lightning's ``TorchCheckpointIO`` with atomic local saves and streamed saves to stores.
 
     A local save replaces a previous checkpoint at its path, a file or a sharded directory (atomically, as a sharded
     save replaces a full file), and refuses anything else there
-    (:class:`~lightning_strategies.checkpoint.targets.ForeignPathError`, see that module).
+    (:class:`~lightning_strategies.checkpoint.targets.ForeignPathError`, see that module). A save to a URL streams
+    ``torch.save`` into the store (``storage_options`` are the fsspec backend's: credentials, endpoint), where the
+    object appears once whole; sharded saves of the same URL it replaces are removed afterwards
+    (:mod:`~lightning_strategies.checkpoint.remote`).
     """
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        if "://" in str(path) or storage_options is not None:
-            super().save_checkpoint(checkpoint, path, storage_options)
+        if is_url(path):
+            store = open_store(str(path), storage_options)
+            streamed_write(store, partial(torch.save, checkpoint))
+            remove_saves(store, keep=set())  # the sharded saves of this URL: the object is newer
+            return
+        if storage_options is not None:
+            super().save_checkpoint(checkpoint, path, storage_options)  # Lightning's error: no options for local paths
             return
         target = Path(path)
         # A previous checkpoint at the path (say `last.ckpt` of a run that saved sharded, resumed with full saves) is

@@ -37,7 +37,6 @@ from .._lightning import (
     _init_dist_connection,
     _optimizers_to_device,
     _StrategyRegistry,
-    _SubprocessScriptLauncher,
     _sync_ddp_if_available,
     _sync_module_states,
     _WrappingCheckpointIO,
@@ -56,12 +55,13 @@ from .atomic_io import AtomicTorchCheckpointIO
 from .buffers import RankZeroBuffers
 from .checkpointing import CheckpointFlow, StateDictType
 from .failures import FailureHandling, leave_the_process_group_at_exit
-from .launcher import HAND_BACK_OPTIONS, CanonicalStateLauncher, HandBack
+from .launcher import HAND_BACK_OPTIONS, CanonicalStateLauncher, HandBack, StoreAwareScriptLauncher
 from .meta_init import has_meta_tensors, refuse_meta_tensors
 from .precision import GradientRouting
 from .redirection import ForwardRedirection
 from .sharded_format import ShardedFormat
 from .stops import RequeueAtStepBoundary, StopVerdict
+from .store_saves import Downloads
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -136,6 +136,8 @@ class DirectReferenceStrategy(FailureHandling, GradientRouting, CheckpointFlow):
         self._async_saves = AsyncSaves(self)
         self._checkpoint_source = "the checkpoint"
         self._sharded_reader: ShardedFormat | None = None  # the format restoring the directory being loaded
+        self._store_downloads = Downloads()  # local copies of stored sharded saves being restored
+        self._resumed_store_save: tuple[str, str] | None = None
         self._failure_timeout: float | None = None
         self._failed = False
         self._stop_verdict: StopVerdict | None = None
@@ -221,7 +223,7 @@ class DirectReferenceStrategy(FailureHandling, GradientRouting, CheckpointFlow):
         if self.cluster_environment is None:
             raise RuntimeError(f"{type(self).__name__} needs a cluster environment; pass it to a Trainer before use.")
         if self._start_method == "popen":
-            set_launcher(self, _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes))
+            set_launcher(self, StoreAwareScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes))
         else:
             set_launcher(self, CanonicalStateLauncher(self, self._start_method, source=self, hand_back=self._hand_back))
 
@@ -321,8 +323,6 @@ class DirectReferenceStrategy(FailureHandling, GradientRouting, CheckpointFlow):
             self.options_fingerprint(), "the strategy's options", "configure the strategy the same way"
         )
         agree_on_resume_path(trainer, self.require_agreement, then=self.before_restore)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.refuse_remote_sharded_saves(trainer)
         self.accelerator.setup(trainer)
         if not self._evaluates_in_inference_mode:
             evaluate_under_no_grad(trainer)
@@ -393,6 +393,7 @@ class DirectReferenceStrategy(FailureHandling, GradientRouting, CheckpointFlow):
 
     def _release_after_run(self) -> None:
         self._requeue.remove()
+        self._store_downloads.clear()
         module = self.lightning_module
         trainer = trainer_of(module) if module is not None else None
         if isinstance(self.launcher, CanonicalStateLauncher) and trainer is not None:

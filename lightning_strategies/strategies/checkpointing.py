@@ -39,6 +39,7 @@ from lightning_strategies.checkpoint.consolidation import consolidate
 from lightning_strategies.checkpoint.errors import CheckpointFormatError
 from lightning_strategies.checkpoint.io import copy_out_of_mapping, reading_from
 from lightning_strategies.checkpoint.optimizer_state import numbered_through_groups
+from lightning_strategies.checkpoint.remote import open_store, remove_checkpoint_at
 from lightning_strategies.checkpoint.sharded import (
     ShardedCheckpoint,
     new_save_id,
@@ -49,10 +50,8 @@ from lightning_strategies.checkpoint.sharded import (
     write_sharded_meta,
 )
 from lightning_strategies.checkpoint.targets import (
-    RemoteShardedSaveError,
     SaveRefusal,
     is_url,
-    remote_sharded_problem,
     removal_problem,
     replace_problem,
     same_checkpoint_path,
@@ -74,6 +73,7 @@ from .atomic_io import finish_background_writes, read_full_checkpoint, synchrono
 from .gather import forget_fresh_copies
 from .launcher import CanonicalStateLauncher
 from .sharded_format import ShardedFormat
+from .store_saves import Downloads, resolve_on_store, save_sharded_to_store, split_marker_url, store_refusal
 
 if TYPE_CHECKING:
     from .async_saves import AsyncSaves
@@ -96,6 +96,8 @@ class CheckpointFlow(ParallelStrategy):
         _checkpoint_source: str  # names what is being restored, in every error message
         _sharded_reader: ShardedFormat | None  # the format restoring the directory being loaded
         _async_saves: AsyncSaves  # saves written in the background (async_save=True)
+        _store_downloads: Downloads  # local copies of the stored sharded saves a restore reads
+        _resumed_store_save: tuple[str, str] | None  # (URL, save id) of the stored sharded save the run resumed from
 
         def require_lightning_module(self) -> pl.LightningModule: ...
 
@@ -209,46 +211,39 @@ class CheckpointFlow(ParallelStrategy):
             sharded = self._require_sharded_format()
             directory = Path(filepath)
             write = partial(sharded.write, checkpoint, directory)
-            refusal = self.save_refusal(filepath)  # of the path as given: Path() folds a URL's "//"
+            refusal = self.save_refusal(filepath, storage_options)  # of the path as given: Path() folds a URL's "//"
+            if is_url(filepath):
+                keep = self.stored_saves_to_keep(str(filepath))
+                save_sharded_to_store(
+                    self, checkpoint, str(filepath), write, storage_options=storage_options, refusal=refusal, keep=keep
+                )
+                return
             self.save_sharded(checkpoint, directory, write, collective_write=sharded.collective_write, refusal=refusal)
             return
         # A rank's different path would be silently ignored; a path rank 0 must not replace is refused on every rank.
-        require_same_save_path(filepath, self.save_refusal(filepath))
+        require_same_save_path(filepath, self.save_refusal(filepath, storage_options))
         if isinstance(self.launcher, CanonicalStateLauncher):  # the main process after a fork/spawn fit
             checkpoint = self.launcher.complete_checkpoint(checkpoint)
         if self.is_global_zero:
             stamped = {**checkpoint, METADATA_KEY: self.checkpoint_metadata().to_dict()}
             self.checkpoint_io.save_checkpoint(stamped, filepath, storage_options=storage_options)
 
-    def save_refusal(self, filepath: _PATH) -> SaveRefusal | None:
+    def save_refusal(self, filepath: _PATH, storage_options: Any | None = None) -> SaveRefusal | None:
         """On global rank 0: why this strategy's next save must not write to ``filepath``: it holds a file or directory
-        that is not a checkpoint (see :mod:`~lightning_strategies.checkpoint.targets`), or it is a URL and the save is
-        sharded; ``None`` when it may, and on every other rank. The save's agreement on its path raises it on every
-        rank, before any write."""
+        that is not a checkpoint (see :mod:`~lightning_strategies.checkpoint.targets`), or it is a URL whose store
+        cannot be reached or that holds objects no save wrote (:func:`.store_saves.store_refusal`); ``None`` when it
+        may, and on every other rank. The save's agreement on its path raises it on every rank, before any write."""
         if not self.is_global_zero:
             return None
-        if is_url(filepath):  # a full file goes through fsspec; a sharded directory would land in a local "s3:"
-            return (
-                ("remote sharded", remote_sharded_problem(filepath, self.strategy_name))
-                if self._saves_sharded
-                else None
-            )
+        if is_url(filepath):
+            return store_refusal(str(filepath), storage_options, self._saves_sharded)
         problem = replace_problem(filepath, "sharded" if self._saves_sharded else "full")
         return None if problem is None else ("foreign path", problem)
 
-    def refuse_remote_sharded_saves(self, trainer: pl.Trainer) -> None:
-        """At fit start, on every rank alike: a ``ModelCheckpoint`` that would save sharded directories to a URL is
-        refused before the first step (its first save would be refused after an epoch of training).
-
-        Raises:
-            RemoteShardedSaveError: A checkpoint callback's ``dirpath`` is a URL and this strategy saves sharded.
-        """
-        if not self._saves_sharded:
-            return
-        for callback in trainer.checkpoint_callbacks:
-            dirpath = getattr(callback, "dirpath", None)
-            if dirpath is not None and is_url(dirpath):
-                raise RemoteShardedSaveError(remote_sharded_problem(dirpath, self.strategy_name))
+    def stored_saves_to_keep(self, url: str) -> set[str]:
+        """The save ids a save to the store ``url`` must not remove: the stored save this run resumed from."""
+        resumed = self._resumed_store_save
+        return {resumed[1]} if resumed is not None and same_checkpoint_path(resumed[0], url) else set()
 
     @property
     def sharded_checkpoint_io(self) -> CheckpointIO:
@@ -273,6 +268,12 @@ class CheckpointFlow(ParallelStrategy):
             return
         if self.is_global_zero and ("://" in str(filepath) or not os.path.lexists(filepath)):
             finish_background_writes(self.checkpoint_io)
+        if self.is_global_zero and is_url(filepath):
+            # A stored checkpoint's own objects only (a sharded one: each save's marker before its files).
+            kept = remove_checkpoint_at(open_store(str(filepath)))
+            if kept:
+                rank_zero_warn(f"Removed the checkpoint {str(filepath)!r} but kept objects no save wrote: {kept[:3]}.")
+            return
         super().remove_checkpoint(filepath)
 
     def _removal_refusal(self, filepath: _PATH) -> str | None:
@@ -281,7 +282,7 @@ class CheckpointFlow(ParallelStrategy):
         module = self.lightning_module
         trainer = trainer_of(module) if module is not None else None
         resumed_from = getattr(trainer, "ckpt_path", None) if trainer is not None else None
-        if resumed_from is not None and same_checkpoint_path(filepath, resumed_from):
+        if resumed_from is not None and same_checkpoint_path(filepath, split_marker_url(str(resumed_from))[0]):
             return (
                 f"Not removing {str(filepath)!r}: the run resumed from it, and it stays until you remove it (a later"
                 " failure may need to resume from it again)."
@@ -357,9 +358,15 @@ class CheckpointFlow(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         self._sharded_reader = None
-        directory = sharded_directory(checkpoint_path)
+        self._store_downloads.clear()
+        directory, source = sharded_directory(checkpoint_path), None
+        if is_url(checkpoint_path) and (on_store := resolve_on_store(str(checkpoint_path))) is not None:
+            store, save = on_store
+            directory = self._store_downloads.fetch(store, save)  # every rank reads a local copy of the committed save
+            source = f"Sharded checkpoint {store.url!r} (save {save.save_id})"
+            self._resumed_store_save = (store.url, save.save_id)
         if directory is not None:
-            sharded = open_sharded(directory)
+            sharded = open_sharded(directory, source=source)
             reader = self.sharded_format()
             if reader is None or not reader.reads_in_place(sharded):
                 return self._load_consolidated(sharded)
@@ -466,6 +473,7 @@ class CheckpointFlow(ParallelStrategy):
                     self._load_full_optimizer_states(checkpoint)
             elif reader.holds_optimizer_states(checkpoint):  # else the optimizers start fresh (warned about)
                 reader.load_optimizers(checkpoint)
+            self._store_downloads.clear()
 
     def _load_full_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint["optimizer_states"]

@@ -37,6 +37,7 @@ from .._lightning import (
     TrainerFn,
     _distributed_is_initialized,
     _MultiProcessingLauncher,
+    _SubprocessScriptLauncher,
     _WorkerOutput,
     dump_checkpoint,
     launched_strategy,
@@ -46,6 +47,7 @@ from .._lightning import (
 )
 from .atomic_io import synchronous_checkpoint_io
 from .meta_init import has_meta_tensors, materialise_meta_tensors
+from .store_saves import prepare_store_checkpoints
 
 #: What a fork/spawn fit hands back to the main process: the whole end-of-fit checkpoint, or the weights only.
 HandBack = Literal["checkpoint", "weights"]
@@ -107,9 +109,9 @@ class CanonicalStateLauncher(_MultiProcessingLauncher):
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None:  # in the main process, before ckpt_path="last" is resolved (errors arrive unwrapped)
+            prepare_store_checkpoints(trainer)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            # Refused here, in the main process, with the error itself (the workers' would arrive wrapped).
-            self._launched_strategy.refuse_remote_sharded_saves(trainer)  # type: ignore[attr-defined]
             self._end_of_fit_state = None  # a new fit: the last one's state is stale (and freed before workers start)
         self._errors_dir = tempfile.mkdtemp(prefix="lightning_strategies_errors_")
         self.workers_failed = False
@@ -242,3 +244,14 @@ def _first_failure(directory: Path) -> tuple[int, int, str] | None:
         return None
     _, index, pid, text = min(records)
     return index, pid, text
+
+
+class StoreAwareScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher for ranks started as processes of their own (``torchrun``, or the script run again), with
+    ``ModelCheckpoint``'s checkpoints on stores prepared before the run (``store_saves.prepare_store_checkpoints``)."""
+
+    @override
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None:
+            prepare_store_checkpoints(trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)

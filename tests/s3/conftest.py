@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +33,13 @@ def s3_bucket(s3_server: S3Server) -> Iterator[str]:
     yield f"s3://{bucket}"
     with contextlib.suppress(Exception):  # the session's server goes away anyway
         s3_server.client().delete_bucket(Bucket=bucket)
+
+
+@pytest.fixture
+def store(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> S3Server:
+    """The server's credentials and endpoint in the environment, as s3fs users set them (the forked ranks inherit
+    it); the working directory is a fresh one, so that a URL written locally would show as a folder there."""
+    for name, value in s3_server.environment().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    return s3_server
