@@ -134,11 +134,15 @@ def _header(meta: dict[str, Any]) -> str:
     )
 
 
-def _update_docs(markdown: str, pngs: list[Path], store: bool = False) -> None:
+def _update_docs(markdown: str, pngs: list[Path], store: Path | None = None) -> None:
+    """Copies the plots and puts ``markdown`` into the page's results block; a store run (``store``: its results
+    JSON) fills the store's block and copies its JSON to ``docs/_static/benchmarks/store-results.json``."""
     DOCS_STATIC.mkdir(parents=True, exist_ok=True)
     for png in pngs:
         shutil.copyfile(png, DOCS_STATIC / png.name)
-    opening, closing = (STORE_RESULTS_START, STORE_RESULTS_END) if store else (RESULTS_START, RESULTS_END)
+    if store is not None:
+        shutil.copyfile(store, DOCS_STATIC / "store-results.json")
+    opening, closing = (STORE_RESULTS_START, STORE_RESULTS_END) if store is not None else (RESULTS_START, RESULTS_END)
     if DOCS_PAGE.exists():
         page = DOCS_PAGE.read_text()
         start, end = page.find(opening), page.find(closing)
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     markdown = f"{_header(meta)}\n\n{markdown_table(goals)}\n\n{details_markdown(summary)}\n"
     (out / "results.md").write_text(markdown)
     if args.docs:
-        _update_docs(markdown, pngs, store=args.store is not None)
+        _update_docs(markdown, pngs, store=out / "results.json" if args.store is not None else None)
     print(markdown)
     missed = [goal for goal in goals if goal.met is False]
     print(

@@ -8,8 +8,9 @@ Per strategy and checkpoint format (upstream ``ddp``'s full file as a reference)
   it wrote (a full file: rank 0; a sharded directory: each rank its own shard files, rank 0 the rest), and the local
   save itself; the peak RSS each rank adds (the remote full save on rank 0 against the file's size);
 - *resume*: ``fit(ckpt_path="s3://...")`` to the first step against a fresh fit and a resume from the local copy, and
-  against downloading what the resume reads (``fs.cat_file``: every rank the whole full file; of a sharded directory
-  each rank its own shard files and the others);
+  against downloading what a resume at the same world size reads (``fs.cat_file``: every rank the whole full file; of
+  a sharded directory each rank its own shard files and the others), and, for a sharded directory, every file on
+  every rank (informational);
 - *async*: the asynchronous save benchmark (``benchmarks.async_save``) with the saves on the store.
 
 A save or resume the package refuses (a sharded save to a URL before the store supports it) is recorded with its
@@ -40,9 +41,19 @@ from .save import SAVE_STEPS, bytes_on_disk
 VARIANTS: tuple[tuple[str, str], ...] = (("ddp", "full"), *async_save.FORMATS)
 #: The sides of a save: ours to the store, ours to a local file, and the plain uploads of the local file's bytes.
 SAVE_SIDES = ("remote", "local", "put_file", "pipe")
-#: The sides of a resume: a fresh fit, resumed from the store, resumed from the local copy, and the plain download.
-RESUME_SIDES = ("fresh", "remote", "local", "download")
-_SHARD_FILE = re.compile(r"__(\d+)_")
+#: The sides of a resume: a fresh fit, resumed from the store, resumed from the local copy, the plain download of what
+#: a resume at the same world size needs, and (sharded directories) of every file by every rank.
+RESUME_SIDES = ("fresh", "remote", "local", "download", "download_all")
+#: A rank's own file of a sharded directory: torch DCP's ``__<rank>_0.distcp``, fairscale's ``rank<rank>.pt``.
+_SHARD_FILE = re.compile(r"^(?:__(\d+)_\d+\.distcp|rank(\d+)\.pt)$")
+
+
+def _owner(name: str) -> int | None:
+    """The rank whose shard file ``name`` is, or ``None`` for a file every rank reads (metadata, commit marker)."""
+    match = _SHARD_FILE.match(name)
+    return None if match is None else int(match.group(1) or match.group(2))
+
+
 #: Steps between two asynchronous saves on the store: an upload of the MLP's 50 MB took 0.3 s alone and up to 0.8 s
 #: beside training (the server's own CPU time, 0.375 s per upload, competes for the same 2 cores), longer than the
 #: local benchmark's 12 steps, whose saves then mostly waited for the upload before (the blocked time measured the
@@ -77,12 +88,7 @@ def own_files(local: Path, rank: int) -> list[tuple[Path, str]]:
     if local.is_file():
         return [(local, "")] if rank == 0 else []
     files = sorted(path for path in local.rglob("*") if path.is_file())
-    owned = []
-    for path in files:
-        match = _SHARD_FILE.match(path.name)
-        if (int(match.group(1)) if match else 0) == rank:
-            owned.append((path, path.relative_to(local).as_posix()))
-    return owned
+    return [(path, path.relative_to(local).as_posix()) for path in files if (_owner(path.name) or 0) == rank]
 
 
 def _join(target: str, relative: str) -> str:
@@ -143,24 +149,21 @@ class _StoreSaves(pl.Callback):
         return agreed_error(error)
 
 
-def _download_sources(url: str, rank: int) -> list[str]:
-    """What a rank downloads for the plain side of a resume: the whole full file; of a sharded directory its own
-    ``__<rank>_*`` files and every file that is no shard file (the metadata every rank reads)."""
+def _download_sources(url: str, rank: int) -> tuple[list[str], list[str]]:
+    """What a rank downloads for the plain sides of a resume: the whole full file (both sides); of a sharded
+    directory its own shard files and every file that is no shard file (the metadata every rank reads, the commit
+    marker), and every file."""
     fs = filesystem(url)
     fs.invalidate_cache()
     if fs.isfile(url):
-        return [url]
-    sources = []
-    for found in sorted(fs.find(url)):
-        match = _SHARD_FILE.match(found.rsplit("/", 1)[-1])
-        if match is None or int(match.group(1)) == rank:
-            sources.append(found)
-    return sources
+        return [url], []
+    every = sorted(fs.find(url))
+    return [found for found in every if _owner(found.rsplit("/", 1)[-1]) in (None, rank)], every
 
 
-def _download(sources: list[str]) -> None:
-    fs = filesystem(sources[0]) if sources else None
-    blobs = [fs.cat_file(source) for source in sources] if fs is not None else []
+def _download(url: str, sources: list[str]) -> None:
+    fs = filesystem(url)
+    blobs = [fs.cat_file(source) for source in sources]
     del blobs
 
 
@@ -181,7 +184,7 @@ def measure_variant(config: Config, name: str, kind: str, workdir: Path) -> dict
     resume: dict[str, list[float]] = {side: [] for side in RESUME_SIDES}
     remote = f"{url}/resume.ckpt"
     error = saver.error
-    sources = _download_sources(remote, dist.get_rank()) if error is None else []
+    sources, every = _download_sources(remote, dist.get_rank()) if error is None else ([], [])
 
     def build(module: BenchModule) -> str | Strategy:
         return build_strategy(name, kind, module)
@@ -189,10 +192,13 @@ def measure_variant(config: Config, name: str, kind: str, workdir: Path) -> dict
     for repeat in range(config.store_repeats):
         shift = repeat % len(RESUME_SIDES)
         for side in RESUME_SIDES[shift:] + RESUME_SIDES[:shift]:
-            if side in ("remote", "download") and error is not None:
+            if side in ("remote", "download", "download_all") and error is not None:
                 continue
-            if side == "download":
-                resume[side].append(timed(lambda: _download(sources)))
+            if side == "download_all" and not agreed_error("directory" if every else None):
+                continue  # a full file: every rank downloads all of it on the download side already
+            if side.startswith("download"):
+                chosen = sources if side == "download" else every
+                resume[side].append(timed(lambda chosen=chosen: _download(remote, chosen)))
                 continue
             checkpoint = {"fresh": None, "remote": remote, "local": local}[side]
             try:
