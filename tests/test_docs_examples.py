@@ -6,6 +6,7 @@ again, which is what a user's ``train.py`` sees. Each example must be complete: 
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -65,8 +66,11 @@ def _documented_command_lines() -> list[str]:
 
 
 def test_the_cli_page_documents_every_command() -> None:
+    from lightning_strategies.cli import build_parser
+
     commands = {line.split()[1] for line in _documented_command_lines()}
-    assert commands == {"demo", "inspect", "convert", "consolidate", "export"}
+    (subcommands,) = [action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction)]
+    assert commands == set(subcommands.choices) == {"demo", "inspect", "convert", "consolidate", "export", "clean"}
 
 
 @pytest.mark.parametrize("line", _documented_command_lines())

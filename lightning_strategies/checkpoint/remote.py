@@ -29,7 +29,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, Final
@@ -155,12 +155,15 @@ class StoreListing:
         leftovers: Prefixes of saves that never committed (their save ids).
         foreign: Objects below the URL that no save of ours wrote (up to a few, for messages).
         full_file_at: When a full checkpoint object at the URL itself was written, or ``None``.
+        leftovers_written_at: When each leftover's newest file was written (a save under way looks like a leftover
+            until its marker is written: ``lightning-strategies clean`` removes only old ones).
     """
 
     committed: list[CommittedSave]
     leftovers: list[str]
     foreign: list[str]
     full_file_at: datetime | None
+    leftovers_written_at: dict[str, datetime] = field(default_factory=dict)
 
     @property
     def sharded_is_newest(self) -> bool:
@@ -215,6 +218,7 @@ def list_store(store: Store) -> StoreListing:
     prefix = store.path.rstrip("/") + "/"
     markers: dict[str, dict[str, Any]] = {}
     prefixes: set[str] = set()
+    written_at: dict[str, datetime] = {}
     foreign: list[str] = []
     for key, info in below.items():
         relative = str(key)[len(prefix) :] if str(key).startswith(prefix) else ""
@@ -225,6 +229,8 @@ def list_store(store: Store) -> StoreListing:
             markers[head] = info
         elif tail and _SAVE_ID.match(head) and CHECKPOINT_DIRECTORY_ENTRIES.match(tail):
             prefixes.add(head)
+            written = _modified(info)
+            written_at[head] = max(written, written_at.get(head, written))
         else:
             foreign.append(relative)
     committed = [_read_commit(store, name, info) for name, info in markers.items()]
@@ -232,7 +238,8 @@ def list_store(store: Store) -> StoreListing:
     ids = {save.save_id for save in committed}
     leftovers = sorted(save_id for save_id in prefixes if save_id not in ids)
     full_at = _modified(full) if full is not None and full.get("type") != "directory" else None
-    return StoreListing(committed, leftovers, sorted(foreign), full_at)
+    leftover_times = {save_id: written_at[save_id] for save_id in leftovers}
+    return StoreListing(committed, leftovers, sorted(foreign), full_at, leftover_times)
 
 
 def is_sharded_on_store(url: str, storage_options: dict[str, Any] | None = None) -> bool:
@@ -360,6 +367,16 @@ def remove_saves(store: Store, keep: set[str]) -> list[str]:
     listing = list_store(store)
     removed = [save.save_id for save in listing.committed if save.save_id not in keep]
     removed += [save_id for save_id in listing.leftovers if save_id not in keep]
+    for save_id in removed:
+        _remove_save(store, save_id)
+    return removed
+
+
+def remove_leftovers(store: Store, older_than: datetime) -> list[str]:
+    """Removes the uncommitted leftovers at the URL whose newest file was written before ``older_than`` (a younger
+    one may be a save under way); returns their save ids. Committed saves stay."""
+    listing = list_store(store)
+    removed = [save_id for save_id, written in listing.leftovers_written_at.items() if written < older_than]
     for save_id in removed:
         _remove_save(store, save_id)
     return removed

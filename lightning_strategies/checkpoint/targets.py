@@ -36,19 +36,13 @@ class ForeignPathError(FileExistsError):
     """A save's path (or a removal's) holds something that is not a checkpoint; nothing was changed."""
 
 
-class RemoteShardedSaveError(ValueError):
-    """A sharded save (``state_dict_type="sharded"``) was asked to write to a URL; nothing was written."""
-
-
 #: A save's refusal as rank 0 tells every rank of it: which error, and its message.
-SaveRefusal = tuple[Literal["foreign path", "remote sharded", "store"], str]
+SaveRefusal = tuple[Literal["foreign path", "store"], str]
 
 
 def refusal_error(refusal: SaveRefusal) -> Exception:
     """The exception every rank raises for rank 0's ``refusal``."""
     kind, message = refusal
-    if kind == "remote sharded":
-        return RemoteShardedSaveError(message)
     if kind == "store":
         return StoreError(message)
     return ForeignPathError(errno.EEXIST, message)
@@ -174,15 +168,3 @@ def same_checkpoint_path(first: str | Path, second: str | Path) -> bool:
 def is_url(path: str | Path) -> bool:
     """Whether ``path`` is a URL (``s3://bucket/key``, ``memory://x``) rather than a local path."""
     return "://" in str(path)
-
-
-def remote_sharded_problem(path: str | Path, strategy_name: str) -> str:
-    """The refusal of a sharded save to the URL ``path``: sharded directories are written on local paths only (a URL
-    through ``Path`` would fold into a local folder named ``s3:``, reporting success)."""
-    scheme = str(path).split("://", 1)[0]
-    return (
-        f"Cannot save sharded checkpoints to {str(path)!r}: {strategy_name} writes sharded directories"
-        f" (state_dict_type='sharded') on local or mounted paths only, not to {scheme}:// URLs; nothing was written."
-        f" Save full checkpoints there ({strategy_name}(state_dict_type='full'): one file each, written through fsspec,"
-        " resumed from the URL), or save sharded to a local or mounted path."
-    )

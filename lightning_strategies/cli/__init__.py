@@ -13,17 +13,20 @@ import importlib
 import json
 import sys
 from collections.abc import Sequence
+from datetime import timedelta
 from importlib.util import find_spec
 from pathlib import Path
 from types import ModuleType
 
 from .._flavour import LIGHTNING, PYTORCH_LIGHTNING, flavour_of
 from ..checkpoint.errors import CheckpointError
+from ..checkpoint.safetensors_export import Export
 from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, CommandError, UsageError, human_bytes
 from .consolidate import consolidate_checkpoint
 from .convert import CONVERTED_STRATEGY, convert_checkpoint
 from .export import export_checkpoint
 from .inspection import format_report, inspect_path
+from .stores import checkpoint_input, clean, output
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -100,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="Exit code 1 when a finding is an error (the checkpoint will not load as it is).",
     )
-    inspect.add_argument("checkpoint", type=Path, metavar="CKPT", help="checkpoint file or sharded directory")
+    inspect.add_argument(
+        "checkpoint", metavar="CKPT", help="checkpoint file or sharded directory, local or a URL (s3://...)"
+    )
     inspect.add_argument(
         "--module",
         dest="model_class",  # not `args.module`: that reads like unwrapping a wrapper (tests/test_no_unwrapping.py)
@@ -140,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="Exit code 1 when the directory is incomplete or not a sharded checkpoint of lightning_strategies.",
     )
-    consolidate.add_argument("directory", type=Path, metavar="DIR", help="sharded checkpoint directory")
-    consolidate.add_argument("out", type=Path, metavar="OUT", help="checkpoint file to write")
+    consolidate.add_argument("directory", metavar="DIR", help="sharded checkpoint directory, local or a URL (s3://...)")
+    consolidate.add_argument("out", metavar="OUT", help="checkpoint file to write, local or a URL")
     consolidate.add_argument("--force", action="store_true", help="replace OUT if it exists")
     consolidate.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     consolidate.set_defaults(handler=_consolidate)
@@ -163,8 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
             " pip install 'lightning-strategies[export]'."
         ),
     )
-    export.add_argument("checkpoint", type=Path, metavar="CKPT", help="checkpoint file or sharded directory")
-    export.add_argument("out", type=Path, metavar="OUT", help="directory to write the safetensors files into")
+    export.add_argument(
+        "checkpoint", metavar="CKPT", help="checkpoint file or sharded directory, local or a URL (s3://...)"
+    )
+    export.add_argument("out", metavar="OUT", help="directory to write the safetensors files into, local or a URL")
     export.add_argument(
         "--submodule",
         metavar="NAME",
@@ -192,11 +199,41 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--force", action="store_true", help="replace an export already in OUT")
     export.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     export.set_defaults(handler=_export)
+
+    clean = commands.add_parser(
+        "clean",
+        help="remove the uncommitted leftovers of killed saves of a checkpoint on an object store",
+        description=(
+            "A save to a URL uploads every rank's files under a fresh prefix and commits them last; a save killed"
+            " before its commit leaves that prefix behind (readers ignore it, `inspect` names it, the next save of the"
+            " URL removes it). `clean` removes such leftovers now; committed checkpoints are never touched."
+        ),
+    )
+    clean.add_argument("checkpoint", metavar="URL", help="checkpoint URL (s3://bucket/run/last.ckpt)")
+    clean.add_argument(
+        "--older-than",
+        type=float,
+        default=60.0,
+        metavar="MINUTES",
+        help="only leftovers last written that long ago (default 60: a younger one may be a save under way)",
+    )
+    clean.set_defaults(handler=_clean)
     return parser
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    report = inspect_path(args.checkpoint, args.model_class)
+    with checkpoint_input(args.checkpoint) as source:
+        report = inspect_path(source.path, args.model_class)
+    report.path = source.name
+    for leftover in source.leftovers:
+        report.add(
+            "warning",
+            "uncommitted-save",
+            f"{leftover} holds files of a save that never committed (killed or failed): readers ignore it; the next"
+            f" save of the URL removes it, or `lightning-strategies clean {args.checkpoint}`.",
+        )
+    for older in source.older_saves:
+        report.add("info", "older-save", f"{older} is an older committed save kept beside the newest (a resumed-from).")
     print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
     return EXIT_FAILED if report.errors else EXIT_OK
 
@@ -210,10 +247,11 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    result = consolidate_checkpoint(args.directory, args.out, force=args.force, show_progress=not args.no_progress)
+    with checkpoint_input(args.directory) as source, output(args.out, force=args.force) as out:
+        result = consolidate_checkpoint(source.path, out, force=args.force, show_progress=not args.no_progress)
     block = result.metadata
     print(
-        f"Wrote {result.out}: full checkpoint of {block['strategy']!r} (trained at world size {block['world_size']})"
+        f"Wrote {args.out}: full checkpoint of {block['strategy']!r} (trained at world size {block['world_size']})"
         f" from {result.format}, {result.tensors} model tensors and {result.optimizer_tensors} optimizer-state"
         " tensors. Every strategy resumes it."
     )
@@ -221,9 +259,34 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    result = export_checkpoint(
-        args.checkpoint,
-        args.out,
+    with (
+        checkpoint_input(args.checkpoint) as source,
+        output(args.out, force=args.force, directory=True) as out,
+    ):
+        result = _export_to(source.path, out, args)
+    dtype = f", floating point as {str(result.dtype).removeprefix('torch.')}" if result.dtype is not None else ""
+    print(
+        f"Wrote {args.out}: {', '.join(result.files)} ({result.tensors} tensors,"
+        f" {human_bytes(result.total_size)}{dtype})."
+    )
+    for dropped, kept in result.tied.items():
+        print(f"  - tied: {dropped!r} is {kept!r}, written once under {kept!r}")
+    return EXIT_OK
+
+
+def _clean(args: argparse.Namespace) -> int:
+    removed = clean(args.checkpoint, timedelta(minutes=args.older_than))
+    print(
+        f"Removed {len(removed)} uncommitted leftover(s) of {args.checkpoint}"
+        + "".join(f"\n  - {url}" for url in removed)
+    )
+    return EXIT_OK
+
+
+def _export_to(source: Path, out: Path, args: argparse.Namespace) -> Export:
+    return export_checkpoint(
+        source,
+        out,
         submodule=args.submodule,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
@@ -231,14 +294,6 @@ def _export(args: argparse.Namespace) -> int:
         show_progress=not args.no_progress,
         module_spec=args.model_class,
     )
-    dtype = f", floating point as {str(result.dtype).removeprefix('torch.')}" if result.dtype is not None else ""
-    print(
-        f"Wrote {result.directory}: {', '.join(result.files)} ({result.tensors} tensors,"
-        f" {human_bytes(result.total_size)}{dtype})."
-    )
-    for dropped, kept in result.tied.items():
-        print(f"  - tied: {dropped!r} is {kept!r}, written once under {kept!r}")
-    return EXIT_OK
 
 
 def _demo_module() -> ModuleType:

@@ -155,7 +155,8 @@ def require_same_save_path(filepath: _PATH, refusal: SaveRefusal | None = None) 
     Raises:
         RanksDisagreeError: The ranks save to different paths.
         ForeignPathError: Rank 0 refused the path (it holds a user's files); nothing was written.
-        RemoteShardedSaveError: Rank 0 refused a sharded save to a URL; nothing was written.
+        StoreError: Rank 0 could not reach the store of a URL (no such bucket, credentials refused); nothing was
+            written.
     """
     everyone = _gather_from_every_rank({"filepath": str(filepath), "refusal": refusal})
     if everyone is None:
@@ -172,7 +173,8 @@ def agree_on_sharded_save(directory: _PATH, proposed_id: str, refusal: SaveRefus
     Raises:
         RanksDisagreeError: The ranks save to different directories.
         ForeignPathError: Rank 0 refused the directory (``refusal``); nothing was written.
-        RemoteShardedSaveError: Rank 0 refused a sharded save to a URL; nothing was written.
+        StoreError: Rank 0 could not reach the store of a URL (no such bucket, credentials refused); nothing was
+            written.
     """
     everyone = _gather_from_every_rank({"filepath": str(directory), "save_id": proposed_id, "refusal": refusal})
     if everyone is None:
