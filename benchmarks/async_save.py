@@ -3,7 +3,6 @@ strategy and checkpoint format, and the memory the CPU staging copy of an asynch
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -16,8 +15,8 @@ from lightning_strategies.strategies.base import DirectReferenceStrategy
 
 from .config import Config
 from .lightning_side import trainer
-from .measure import barrier
 from .models import BenchModule, lightning_loader, workload
+from .remote import remove
 
 #: (strategy, state_dict_type) of each variant; ``ddp_sharded`` writes full files only.
 FORMATS: tuple[tuple[str, str], ...] = (
@@ -39,7 +38,10 @@ def variant_key(name: str, state_dict_type: str, model: str) -> str:
     return f"{name}/{state_dict_type}" + ("" if model == "mlp" else f"@{model}")
 
 
-def _strategy(name: str, state_dict_type: str, module: BenchModule, async_save: bool) -> DirectReferenceStrategy:
+def format_strategy(
+    name: str, state_dict_type: str, module: BenchModule, async_save: bool = False
+) -> DirectReferenceStrategy:
+    """The strategy of a variant: ``name`` with ``state_dict_type`` (``ddp_sharded`` has full files only)."""
     if name == "ddp_sharded":
         return ShardedDDPStrategy(async_save=async_save)
     if name == "fsdp_fairscale":
@@ -57,8 +59,8 @@ def _writing(trainer: pl.Trainer) -> bool:
 
 
 class _BlockedTimer(pl.Callback):
-    """Saves every ``STEPS_BETWEEN_SAVES`` steps after the warm-up and records how long each save call blocked this
-    rank (it includes waiting for and committing the save before it), and the staging copy's size.
+    """Saves every ``interval`` steps (``STEPS_BETWEEN_SAVES``) after the warm-up and records how long each save call
+    blocked this rank (it includes waiting for and committing the save before it), and the staging copy's size.
 
     Also times every step after the warm-up (``on_train_batch_start`` to ``on_train_batch_end``, before the save there)
     with whether this rank's background write ran at the step's start and at its end — the steps a write runs
@@ -66,8 +68,9 @@ class _BlockedTimer(pl.Callback):
     before it saved (the same steps in the synchronous fit: a control for what follows a save anyway).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | str, interval: int = STEPS_BETWEEN_SAVES) -> None:
         self.path = path
+        self.interval = interval
         self.blocked: list[float] = []
         self.waited: list[float] = []  # of which: waiting for the save before (write, agreement, commit)
         self.started: list[float] = []  # of which: starting this one (staging copy included)
@@ -94,7 +97,7 @@ class _BlockedTimer(pl.Callback):
             self.writing_at.append((self._writing_at_start, _writing(trainer)))
             self.after_save.append(self._saved)
         self._saved = False
-        if step <= WARMUP_STEPS or (step - WARMUP_STEPS) % STEPS_BETWEEN_SAVES:
+        if step <= WARMUP_STEPS or (step - WARMUP_STEPS) % self.interval:
             return
         self._saved = True
         start = time.perf_counter()
@@ -118,29 +121,38 @@ class _BlockedTimer(pl.Callback):
             self.write_cpu.append(saves.last_write_cpu_s)
 
 
-def _remove(path: Path) -> None:
-    if dist.get_rank() == 0:
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-    barrier()
+def measure(
+    config: Config,
+    name: str,
+    state_dict_type: str,
+    model: str,
+    saves: int,
+    workdir: Path,
+    store_url: str | None = None,
+    interval: int = STEPS_BETWEEN_SAVES,
+) -> dict[str, Any]:
+    """One fit with ``saves`` synchronous saves and one with as many asynchronous ones, ``interval`` steps apart;
+    per-rank blocked seconds.
 
-
-def measure(config: Config, name: str, state_dict_type: str, model: str, saves: int, workdir: Path) -> dict[str, Any]:
-    """One fit with ``saves`` synchronous saves and one with as many asynchronous ones; per-rank blocked seconds."""
+    With ``store_url`` the saves go to the store (``<store_url>/async/...``) instead of ``workdir``.
+    """
     work = workload(config, model)
-    steps = WARMUP_STEPS + saves * STEPS_BETWEEN_SAVES
+    steps = WARMUP_STEPS + saves * interval
     result: dict[str, Any] = {}
     for side, async_save in (("sync", False), ("async", True)):
-        path = workdir / "checkpoints" / f"async-bench-{variant_key(name, state_dict_type, model)}-{side}.ckpt"
-        path = path.with_name(path.name.replace("/", "-").replace("@", "-"))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _remove(path)
+        filename = f"async-bench-{variant_key(name, state_dict_type, model)}-{side}.ckpt"
+        filename = filename.replace("/", "-").replace("@", "-")
+        path: Path | str
+        if store_url is not None:
+            path = f"{store_url}/async/{filename}"
+        else:
+            path = workdir / "checkpoints" / filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+        remove(path)
         module = work.new_model()
-        timer = _BlockedTimer(path)
+        timer = _BlockedTimer(path, interval)
         data = work.data(work.batch_size * dist.get_world_size() * steps)
-        trainer(_strategy(name, state_dict_type, module, async_save), [timer], max_steps=steps).fit(
+        trainer(format_strategy(name, state_dict_type, module, async_save), [timer], max_steps=steps).fit(
             module, train_dataloaders=lightning_loader(data, work.batch_size)
         )
         result[side] = {
@@ -155,7 +167,7 @@ def measure(config: Config, name: str, state_dict_type: str, model: str, saves: 
         }
         if async_save:
             result["staged_bytes"] = timer.staged_bytes
-        _remove(path)
+        remove(path)
     return result
 
 

@@ -13,6 +13,11 @@ STRATEGIES: tuple[str, ...] = ("ddp_sharded", "fsdp_fairscale", "fsdp2")
 MODELS: tuple[str, ...] = ("mlp", "gpt2")
 #: Benchmarks in the order they run.
 BENCHMARKS: tuple[str, ...] = ("overhead", "save", "resume", "memory", "scaling", "async_save")
+#: The benchmark of checkpoints on a store (``--store s3``): remote saves, resumes and asynchronous saves against
+#: plain s3fs transfers of the same bytes, on a SeaweedFS server the run starts (``benchmarks/store.py``).
+STORE_BENCHMARK = "store"
+#: Stores ``--store`` can start.
+STORES: tuple[str, ...] = ("s3",)
 #: Seconds each benchmark of a full run may take before the ranks are stopped: about twice what each took on the
 #: shared 2-core machine under load (a full run took 622 s without ``async_save``, which alone took 519 s at a load
 #: average of 11-12 with 5 saves per fit; it saves 12 times now). A run's limit is the sum over its benchmarks (3000 s
@@ -24,6 +29,7 @@ TIME_LIMIT_S: dict[str, float] = {
     "memory": 150,
     "scaling": 250,
     "async_save": 1400,
+    STORE_BENCHMARK: 900,
 }
 
 #: The strategy of this package that upstream Lightning's ``ModelParallelStrategy`` and ``FSDPStrategy`` are compared
@@ -109,6 +115,11 @@ class Config:
         gpt2_batch_size: GPT-2 samples per rank and step.
         strategies: Strategies of this package to compare.
         benchmarks: Benchmarks to run.
+        store_url: Where the store benchmark saves (``s3://<bucket>``, a bucket of the server the run started; its
+            credentials reach the ranks as environment variables, never through the configuration).
+        store_repeats: Repeats of each side of the store benchmark's saves and resumes (its uploads vary more than
+            local writes).
+        store_saves: Asynchronous saves of each fit of the store benchmark (``async_saves`` for local files).
     """
 
     smoke: bool = False
@@ -132,6 +143,9 @@ class Config:
     gpt2_batch_size: int = 4
     strategies: tuple[str, ...] = STRATEGIES
     benchmarks: tuple[str, ...] = BENCHMARKS
+    store_url: str | None = None
+    store_repeats: int = 7
+    store_saves: int = 8
 
     def to_json(self) -> dict[str, Any]:
         """The configuration as JSON-compatible values."""
@@ -166,6 +180,8 @@ SMOKE = Config(
     scaling_width=64,
     scaling_repeats=1,
     async_saves=1,
+    store_repeats=1,
+    store_saves=1,
     gpt2_vocab=128,
     gpt2_width=32,
     gpt2_layers=2,

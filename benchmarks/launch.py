@@ -24,8 +24,11 @@ def _free_port() -> int:
         return port
 
 
-def run_workers(config: Config, workdir: Path, timeout_s: float) -> list[dict[str, Any]]:
-    """Runs ``benchmarks.worker`` on ``WORLD_SIZE`` processes (gloo, loopback, one thread each).
+def run_workers(
+    config: Config, workdir: Path, timeout_s: float, environment: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Runs ``benchmarks.worker`` on ``WORLD_SIZE`` processes (gloo, loopback, one thread each), with
+    ``environment`` added to theirs (the store's credentials and endpoint).
 
     Returns:
         Each rank's ``{"results": ..., "seconds": ...}``.
@@ -40,6 +43,7 @@ def run_workers(config: Config, workdir: Path, timeout_s: float) -> list[dict[st
     for rank in range(WORLD_SIZE):
         env = {
             **os.environ,
+            **(environment or {}),
             "OMP_NUM_THREADS": "1",  # one thread per rank: 2 ranks on 2 cores, no oversubscription
             "MKL_NUM_THREADS": "1",
             "MASTER_ADDR": "127.0.0.1",

