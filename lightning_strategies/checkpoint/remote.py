@@ -46,8 +46,11 @@ COMMIT_FORMAT: Final = "lightning_strategies sharded checkpoint on a store"
 _COMMIT_MAX_BYTES: Final = 1 << 20
 _SAVE_ID: Final = re.compile(r"^[0-9a-f]{32}$")
 _COMMIT_NAME: Final = re.compile(r"^([0-9a-f]{32})\.commit$")
-#: Part size of streamed uploads: large parts keep the requests few; at most one part is buffered at a time.
-UPLOAD_BLOCK_SIZE: Final = 32 * 1024 * 1024
+#: Part size of streamed uploads (S3's smallest is 5 MiB): s3fs holds about two copies of a part while it uploads it,
+#: so small parts keep a full save's extra memory low (benchmarks: 32 MiB parts added 2.4x a 50 MB file, 8 MiB 0.4x).
+UPLOAD_BLOCK_SIZE: Final = 8 * 1024 * 1024
+#: Block size for reading a stored object's header and zip directory only (the default would fetch the whole object).
+PROBE_BLOCK_SIZE: Final = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -253,7 +256,7 @@ def replace_problem_on_store(store: Store, sharded: bool) -> str | None:
     :mod:`~lightning_strategies.checkpoint.targets`: a save replaces checkpoints only."""
     listing = list_store(store)
     if listing.full_file_at is not None:
-        with store.fs.open(store.path, "rb") as file:
+        with store.fs.open(store.path, "rb", block_size=PROBE_BLOCK_SIZE) as file:
             if not is_checkpoint_stream(file):
                 return (
                     f"Refusing to save a checkpoint to {store.url!r}: the object there is not a checkpoint (not in"

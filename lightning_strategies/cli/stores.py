@@ -18,6 +18,7 @@ from pathlib import Path
 
 from lightning_strategies.checkpoint.errors import StoreError
 from lightning_strategies.checkpoint.remote import (
+    PROBE_BLOCK_SIZE,
     Store,
     download_save,
     list_store,
@@ -100,7 +101,7 @@ def output(given: str, *, force: bool, directory: bool = False) -> Iterator[Path
     if listing.full_file_at is not None:
         if not force:
             raise UsageError(f"OUT {given!r} exists; pass --force to replace it, or choose another URL.")
-        with store.fs.open(store.path, "rb") as file:
+        with store.fs.open(store.path, "rb", block_size=PROBE_BLOCK_SIZE) as file:
             if not is_checkpoint_stream(file):
                 raise UsageError(f"OUT {given!r} exists and is not a checkpoint, so --force does not replace it.")
     if directory and (listing.foreign or listing.committed) and not force:
