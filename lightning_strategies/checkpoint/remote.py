@@ -24,21 +24,24 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, Any, Final, cast
 
 import fsspec
 from fsspec import AbstractFileSystem
 
 from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError, StoreError
 from lightning_strategies.checkpoint.targets import CHECKPOINT_DIRECTORY_ENTRIES, is_checkpoint_stream
+from lightning_strategies.checkpoint.upload_pipeline import PartPipeline
 
 COMMIT_SUFFIX: Final = ".commit"
 #: What a commit marker says it is (its ``"format"``), and the largest one read (a marker lists file names and sizes).
@@ -46,8 +49,9 @@ COMMIT_FORMAT: Final = "lightning_strategies sharded checkpoint on a store"
 _COMMIT_MAX_BYTES: Final = 1 << 20
 _SAVE_ID: Final = re.compile(r"^[0-9a-f]{32}$")
 _COMMIT_NAME: Final = re.compile(r"^([0-9a-f]{32})\.commit$")
-#: Part size of streamed uploads (S3's smallest is 5 MiB): s3fs holds about two copies of a part while it uploads it,
-#: so small parts keep a full save's extra memory low (benchmarks: 32 MiB parts added 2.4x a 50 MB file, 8 MiB 0.4x).
+#: Part size of streamed uploads (S3's smallest is 5 MiB): s3fs holds about two copies of a part while it uploads it
+#: and one more waits, so small parts keep a full save's extra memory low (benchmarks: 32 MiB parts added 2.4x a
+#: 50 MB file, 8 MiB 0.4x).
 UPLOAD_BLOCK_SIZE: Final = 8 * 1024 * 1024
 #: Block size for reading a stored object's header and zip directory only (the default would fetch the whole object).
 PROBE_BLOCK_SIZE: Final = 64 * 1024
@@ -142,11 +146,19 @@ class CommittedSave:
         save_id: The save's id (its prefix).
         files: Each file of the save and its size, as the commit marker lists them.
         committed_at: When the store received the marker.
+        written_ns: When the committing process wrote it, by its clock (``time.time_ns()``; 0 in markers of
+            earlier releases): the order of saves the store dates to the same second.
     """
 
     save_id: str
     files: dict[str, int]
     committed_at: datetime
+    written_ns: int = 0
+
+    @property
+    def order(self) -> tuple[datetime, int, str]:
+        """Sorts saves by commit: the store's clock first (at the second it reports), the writer's within it."""
+        return (self.committed_at.replace(microsecond=0), self.written_ns, self.save_id)
 
 
 @dataclass(frozen=True)
@@ -158,6 +170,7 @@ class StoreListing:
         leftovers: Prefixes of saves that never committed (their save ids).
         foreign: Objects below the URL that no save of ours wrote (up to a few, for messages).
         full_file_at: When a full checkpoint object at the URL itself was written, or ``None``.
+        full_file_size: That object's size in bytes, or ``None``.
         leftovers_written_at: When each leftover's newest file was written (a save under way looks like a leftover
             until its marker is written: ``lightning-strategies clean`` removes only old ones).
     """
@@ -166,6 +179,7 @@ class StoreListing:
     leftovers: list[str]
     foreign: list[str]
     full_file_at: datetime | None
+    full_file_size: int | None = None
     leftovers_written_at: dict[str, datetime] = field(default_factory=dict)
 
     @property
@@ -200,7 +214,9 @@ def _read_commit(store: Store, name: str, info: dict[str, Any]) -> CommittedSave
             raise ValueError("malformed file list")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
         raise CheckpointFormatError(f"Commit marker {where!r} is malformed ({error}).") from error
-    return CommittedSave(record["save_id"], {str(file): int(size) for file, size in files.items()}, _modified(info))
+    written_ns = record.get("written_ns", 0)
+    sizes = {str(file): int(size) for file, size in files.items()}
+    return CommittedSave(record["save_id"], sizes, _modified(info), written_ns if isinstance(written_ns, int) else 0)
 
 
 def list_store(store: Store) -> StoreListing:
@@ -237,17 +253,14 @@ def list_store(store: Store) -> StoreListing:
         else:
             foreign.append(relative)
     committed = [_read_commit(store, name, info) for name, info in markers.items()]
-    committed.sort(key=lambda save: (save.committed_at, save.save_id), reverse=True)
+    committed.sort(key=lambda save: save.order, reverse=True)  # S3 dates objects to the second: two saves may tie
     ids = {save.save_id for save in committed}
     leftovers = sorted(save_id for save_id in prefixes if save_id not in ids)
-    full_at = _modified(full) if full is not None and full.get("type") != "directory" else None
+    is_file = full is not None and full.get("type") != "directory"
+    full_at = _modified(full) if full is not None and is_file else None
+    full_size = int(full.get("size") or 0) if full is not None and is_file else None
     leftover_times = {save_id: written_at[save_id] for save_id in leftovers}
-    return StoreListing(committed, leftovers, sorted(foreign), full_at, leftover_times)
-
-
-def is_sharded_on_store(url: str, storage_options: dict[str, Any] | None = None) -> bool:
-    """Whether the URL reads as a sharded checkpoint (a committed save newer than any full object there)."""
-    return list_store(open_store(url, storage_options)).sharded_is_newest
+    return StoreListing(committed, leftovers, sorted(foreign), full_at, full_size, leftover_times)
 
 
 def replace_problem_on_store(store: Store, sharded: bool) -> str | None:
@@ -276,20 +289,34 @@ def replace_problem_on_store(store: Store, sharded: bool) -> str | None:
 
 
 def streamed_write(store: Store, write: Callable[[IO[bytes]], None]) -> None:
-    """Writes one object at the URL by streaming ``write``'s bytes into it: the store file uploads a part whenever
-    :data:`UPLOAD_BLOCK_SIZE` bytes are buffered, so at most one part is held beside the data written (a
-    ``BytesIO`` of the whole checkpoint, then a copy of it for the upload, would hold two). The object appears only
-    once its upload completed.
+    """Writes one object at the URL by streaming ``write``'s bytes into it, uploaded in parts of
+    :data:`UPLOAD_BLOCK_SIZE` while the next part is written (:class:`~lightning_strategies.checkpoint.
+    upload_pipeline.PartPipeline`): a few parts are held beside the data written, never a copy of the checkpoint.
+    The object appears only once everything was written and uploaded; when ``write`` or an upload fails, the
+    upload is abandoned (a multipart upload is aborted) and what was at the URL before stays as it was.
 
     Raises:
         StoreError: The store refused the write.
     """
     try:
         store.fs.makedirs(store.path.rsplit("/", 1)[0], exist_ok=True)
-        with store.fs.open(store.path, "wb", block_size=UPLOAD_BLOCK_SIZE) as file:
-            write(file)
+        file = store.fs.open(store.path, "wb", block_size=UPLOAD_BLOCK_SIZE)
     except (PermissionError, FileNotFoundError) as error:
         raise _unreachable(store, error) from error
+    pipeline = PartPipeline(file, UPLOAD_BLOCK_SIZE)
+    try:
+        write(cast(IO[bytes], pipeline))
+        pipeline.finish()
+        file.close()  # completes the upload: the object appears
+    except BaseException as error:
+        pipeline.abort()
+        # Not `with fs.open(...)`: fsspec closes the file on an error too, which would publish a truncated object.
+        with contextlib.suppress(Exception):
+            file.discard()
+        file.closed = True  # else its finalizer would close it, finishing the upload
+        if isinstance(error, PermissionError | FileNotFoundError):
+            raise _unreachable(store, error) from error
+        raise
 
 
 def upload_save_files(store: Store, save_id: str, local: Path) -> dict[str, int]:
@@ -329,7 +356,12 @@ def commit_save(store: Store, save_id: str, files: dict[str, int]) -> None:
     Raises:
         CheckpointError: A marker of this save is already there.
     """
-    record = {"format": COMMIT_FORMAT, "save_id": save_id, "files": dict(sorted(files.items()))}
+    record = {
+        "format": COMMIT_FORMAT,
+        "save_id": save_id,
+        "files": dict(sorted(files.items())),
+        "written_ns": time.time_ns(),
+    }
     name = f"{save_id}{COMMIT_SUFFIX}"
     try:
         with store.fs.open(store.key(name), "xb") as file:
@@ -422,28 +454,127 @@ def newest_committed(store: Store) -> CommittedSave:
     return listing.committed[0]
 
 
+@dataclass(frozen=True)
+class StoredFile:
+    """One object a restore downloads: its name in the local copy, its key on the store, its size in bytes (as its
+    commit marker lists it, or as the store reported it for a full checkpoint), and how messages name it and that
+    size."""
+
+    name: str
+    key: str
+    size: int
+    label: str
+    listed_by: str = "its commit marker"
+
+
+def files_of(store: Store, save: CommittedSave) -> list[StoredFile]:
+    """The files of a committed save, as its marker lists them."""
+    return [
+        StoredFile(name, store.key(save.save_id, name), size, f"{name} of save {save.save_id}")
+        for name, size in save.files.items()
+    ]
+
+
+#: A byte range of one stored file, ``(file, start, end)``: the part of a download one process fetches.
+FileRange = tuple[StoredFile, int, int]
+
+
+def split_download(files: Sequence[StoredFile], parts: int) -> list[list[FileRange]]:
+    """The files' bytes cut into ``parts`` shares of equal size (within a byte), each a run of contiguous ranges of
+    the files laid end to end: the processes that share a local copy each download one share. Every byte is in
+    exactly one share; an empty file goes to the first share (which creates it)."""
+    if parts < 1:
+        raise ValueError(f"A download is split into at least one share, not {parts}.")
+    total = sum(file.size for file in files)
+    bounds = [total * share // parts for share in range(parts + 1)]
+    shares: list[list[FileRange]] = [[] for _ in range(parts)]
+    offset = 0
+    for file in files:
+        if file.size == 0:
+            shares[0].append((file, 0, 0))
+        for share in range(parts):
+            start, end = max(offset, bounds[share]), min(offset + file.size, bounds[share + 1])
+            if start < end:
+                shares[share].append((file, start - offset, end - offset))
+        offset += file.size
+    return shares
+
+
+#: The largest range one request of a download fetches: a process holds one such block at a time.
+DOWNLOAD_BLOCK_SIZE: Final = 16 * 1024 * 1024
+
+
+def download_ranges(store: Store, ranges: Sequence[FileRange], local: Path) -> None:
+    """Writes each range of its stored file into the file of that name in the local directory ``local``, at its
+    offset (other processes may write the other ranges of the same file at the same time). The range that ends a
+    file also asks for one byte past it, so an object longer than its listed size is noticed, like a shorter one.
+
+    Raises:
+        CheckpointFormatError: A file is missing on the store or of another size than listed.
+        StoreError: The store refused a read.
+    """
+    for file, start, end in ranges:
+        descriptor = os.open(local / file.name, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            if file.size == 0 and _stored_size(store, file) != 0:
+                raise _wrong_size(store, file, _stored_size(store, file))
+            position = start
+            while position < end:
+                stop = min(end, position + DOWNLOAD_BLOCK_SIZE)
+                asked = stop + 1 if stop == file.size else stop
+                data = _read_range(store, file, position, asked)
+                if len(data) != stop - position:
+                    raise _wrong_size(store, file, position + len(data) if len(data) < stop - position else None)
+                _write_at(descriptor, data, position)
+                position = stop
+        finally:
+            os.close(descriptor)
+
+
+def _read_range(store: Store, file: StoredFile, start: int, end: int) -> bytes:
+    try:
+        return bytes(store.fs.cat_file(file.key, start=start, end=end))
+    except FileNotFoundError as error:
+        raise CheckpointFormatError(
+            f"Checkpoint {store.url!r}: {file.label} is missing on the store (removed by hand?). Use another"
+            " checkpoint."
+        ) from error
+    except PermissionError as error:
+        raise _unreachable(store, error) from error
+
+
+def _stored_size(store: Store, file: StoredFile) -> int:
+    try:
+        return int(store.fs.info(file.key).get("size") or 0)
+    except FileNotFoundError:
+        return -1
+
+
+def _wrong_size(store: Store, file: StoredFile, actual: int | None) -> CheckpointFormatError:
+    held = f"more than {file.size}" if actual is None else str(actual) if actual >= 0 else "no"
+    return CheckpointFormatError(
+        f"Checkpoint {store.url!r}: {file.label} holds {held} bytes, {file.listed_by} says {file.size} (changed"
+        " since it was written?). Use another checkpoint."
+    )
+
+
+def _write_at(descriptor: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(descriptor, view, offset)
+        view, offset = view[written:], offset + written
+
+
 def download_save(store: Store, save: CommittedSave, local: Path) -> Path:
     """Downloads exactly the files the save's marker lists into the new local directory ``local``, each checked
-    against its listed size.
+    against its listed size (one process; a restore shares the download between the processes of a host, see
+    ``strategies.store_saves``).
 
     Raises:
         CheckpointFormatError: A listed file is missing or of another size.
     """
     local.mkdir(parents=True)
-    for name, size in save.files.items():
-        target = local / name
-        try:
-            store.fs.get_file(store.key(save.save_id, name), str(target))
-        except FileNotFoundError as error:
-            raise CheckpointFormatError(
-                f"Checkpoint {store.url!r}: {name} of committed save {save.save_id} is missing on the store (removed"
-                " by hand?). Use another checkpoint."
-            ) from error
-        if target.stat().st_size != size:
-            raise CheckpointFormatError(
-                f"Checkpoint {store.url!r}: {name} of save {save.save_id} holds {target.stat().st_size} bytes, its"
-                f" commit marker says {size}. Use another checkpoint."
-            )
+    download_ranges(store, split_download(files_of(store, save), 1)[0], local)
     return local
 
 

@@ -103,6 +103,17 @@ def _gather_from_every_rank(value: Any) -> list[Any] | None:
     return everyone
 
 
+def every_rank(value: Any) -> list[Any]:
+    """Every rank's ``value`` in rank order (a collective); ``[value]`` when this process runs alone."""
+    everyone = _gather_from_every_rank(value)
+    return [value] if everyone is None else everyone
+
+
+def this_rank() -> int:
+    """The rank of this process in the default process group; 0 when it runs alone."""
+    return torch.distributed.get_rank() if _distributed_is_initialized() else 0
+
+
 def require_agreement(values: Mapping[str, Any], what: str, fix: str) -> None:
     """What ``DirectReferenceStrategy.require_agreement`` does (see there), for the default process group.
 

@@ -393,7 +393,7 @@ class AsyncSaves:
         scratch = Path(tempfile.mkdtemp(prefix="lightning-strategies-upload-"))
         group = self._background_group() if sharded.collective_write else None  # the writes' collectives
         staged = staged_copy(checkpoint)
-        writes = sharded.background_writer(staged, Path(url), scratch, save_id, group)
+        writes = sharded.background_writer(staged, scratch, scratch, save_id, group)  # local, then uploaded
         self.last_staged_bytes = staged_bytes(staged)
         rest = {key: value for key, value in staged.items() if key not in SHARDED_STATE_KEYS}  # meta.pt's part
         commit = partial(

@@ -113,6 +113,11 @@ def maps_files(io: CheckpointIO) -> bool:
     return mmap is not None and mmap.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
+def loads_mapped(io: CheckpointIO) -> bool:
+    """Whether a restore through ``io`` reads a local full file mapped (see :func:`read_full_checkpoint`)."""
+    return maps_files(_loading_io(io))
+
+
 def read_full_checkpoint(path: _PATH, io: CheckpointIO) -> dict[str, Any]:
     """Reads a full checkpoint file for a restore through the strategy's checkpoint IO, with ``weights_only=True``.
 

@@ -39,7 +39,7 @@ from lightning_strategies.checkpoint.consolidation import consolidate
 from lightning_strategies.checkpoint.errors import CheckpointFormatError
 from lightning_strategies.checkpoint.io import copy_out_of_mapping, reading_from
 from lightning_strategies.checkpoint.optimizer_state import numbered_through_groups
-from lightning_strategies.checkpoint.remote import open_store, remove_checkpoint_at
+from lightning_strategies.checkpoint.remote import CommittedSave, files_of, open_store, remove_checkpoint_at
 from lightning_strategies.checkpoint.sharded import (
     ShardedCheckpoint,
     new_save_id,
@@ -69,7 +69,7 @@ from .._lightning import (
     trainer_of,
 )
 from .agreement import agree_on_sharded_save, refuse_unless_every_rank_fits, require_same_save_path
-from .atomic_io import finish_background_writes, read_full_checkpoint, synchronous_checkpoint_io
+from .atomic_io import finish_background_writes, loads_mapped, read_full_checkpoint, synchronous_checkpoint_io
 from .gather import forget_fresh_copies
 from .launcher import CanonicalStateLauncher
 from .sharded_format import ShardedFormat
@@ -209,15 +209,25 @@ class CheckpointFlow(ParallelStrategy):
             return  # its files are written in the background; committed when the ranks next meet
         if self._saves_sharded:
             sharded = self._require_sharded_format()
-            directory = Path(filepath)
-            write = partial(sharded.write, checkpoint, directory)
             refusal = self.save_refusal(filepath, storage_options)  # of the path as given: Path() folds a URL's "//"
             if is_url(filepath):
+                # Shards go into a local scratch directory (the one the format's messages name), then are uploaded.
+                def write_locally(scratch: Path, save_id: str) -> None:
+                    sharded.write(checkpoint, scratch, scratch, save_id)
+
                 keep = self.stored_saves_to_keep(str(filepath))
                 save_sharded_to_store(
-                    self, checkpoint, str(filepath), write, storage_options=storage_options, refusal=refusal, keep=keep
+                    self,
+                    checkpoint,
+                    str(filepath),
+                    write_locally,
+                    storage_options=storage_options,
+                    refusal=refusal,
+                    keep=keep,
                 )
                 return
+            directory = Path(filepath)
+            write = partial(sharded.write, checkpoint, directory)
             self.save_sharded(checkpoint, directory, write, collective_write=sharded.collective_write, refusal=refusal)
             return
         # A rank's different path would be silently ignored; a path rank 0 must not replace is refused on every rank.
@@ -359,12 +369,17 @@ class CheckpointFlow(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         self._sharded_reader = None
         self._store_downloads.clear()
-        directory, source = sharded_directory(checkpoint_path), None
-        if is_url(checkpoint_path) and (on_store := resolve_on_store(str(checkpoint_path))) is not None:
-            store, save = on_store
-            directory = self._store_downloads.fetch(store, save)  # every rank reads a local copy of the committed save
-            source = f"Sharded checkpoint {store.url!r} (save {save.save_id})"
-            self._resumed_store_save = (store.url, save.save_id)
+        directory, source, full_path = sharded_directory(checkpoint_path), None, checkpoint_path
+        on_store = resolve_on_store(str(checkpoint_path)) if is_url(checkpoint_path) else None
+        if on_store is not None:  # every rank reads its host's local copy, which the host's ranks download together
+            store, found = on_store
+            if isinstance(found, CommittedSave):
+                files = files_of(store, found)
+                directory = self._store_downloads.fetch(store, files, Path(store.path).name or "checkpoint")
+                source = f"Sharded checkpoint {store.url!r} (save {found.save_id})"
+                self._resumed_store_save = (store.url, found.save_id)
+            elif loads_mapped(self.checkpoint_io):  # else the user's plugin reads the URL as it will
+                full_path = self._store_downloads.fetch(store, [found], "full") / found.name
         if directory is not None:
             sharded = open_sharded(directory, source=source)
             reader = self.sharded_format()
@@ -376,7 +391,7 @@ class CheckpointFlow(ParallelStrategy):
             return opened
         # Checkpoints never run code when loaded: weights_only is always True.
         self._checkpoint_source = f"Checkpoint {str(checkpoint_path)!r}"
-        checkpoint = read_full_checkpoint(checkpoint_path, self.checkpoint_io)  # mapped: each rank reads its part
+        checkpoint = read_full_checkpoint(full_path, self.checkpoint_io)  # mapped: each rank reads its part
         require_full_checkpoint(checkpoint, source=self._checkpoint_source)
         states = checkpoint.get("optimizer_states")
         if isinstance(states, list):  # upstream's full files number parameters in the module's order
@@ -473,7 +488,8 @@ class CheckpointFlow(ParallelStrategy):
                     self._load_full_optimizer_states(checkpoint)
             elif reader.holds_optimizer_states(checkpoint):  # else the optimizers start fresh (warned about)
                 reader.load_optimizers(checkpoint)
-            self._store_downloads.clear()
+            # A host's copy is shared: it is removed once every rank has read what it needs of it.
+            self._store_downloads.clear(barrier=lambda: self.barrier("restore read the downloaded checkpoint"))
 
     def _load_full_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint["optimizer_states"]

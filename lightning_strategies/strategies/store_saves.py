@@ -11,26 +11,30 @@ directory.
 from __future__ import annotations
 
 import re
+import secrets
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from lightning_strategies.checkpoint.errors import StoreError
+from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError, StoreError
 from lightning_strategies.checkpoint.metadata import CheckpointMetadata
 from lightning_strategies.checkpoint.remote import (
     COMMIT_SUFFIX,
     CommittedSave,
     Store,
+    StoredFile,
     commit_save,
-    download_save,
+    download_ranges,
     list_store,
     open_store,
     remove_full_file,
     remove_saves,
     replace_problem_on_store,
     saved_files,
+    split_download,
     store_problem,
     upload_save_files,
 )
@@ -38,12 +42,13 @@ from lightning_strategies.checkpoint.sharded import new_save_id, write_sharded_m
 from lightning_strategies.checkpoint.targets import SaveRefusal, is_url
 
 from .._lightning import CheckpointIO, find_last_checkpoints_as_urls, pl
-from .agreement import agree_on_sharded_save, gather_uploads
+from .agreement import agree_on_sharded_save, every_rank, gather_uploads, this_rank
 from .atomic_io import finish_background_writes
 
 if TYPE_CHECKING:
     from .checkpointing import CheckpointFlow
 
+_T = TypeVar("_T")
 _MARKER_URL = re.compile(r"^(?P<checkpoint>.+)/(?P<save_id>[0-9a-f]{32})" + re.escape(COMMIT_SUFFIX) + r"$")
 
 
@@ -122,42 +127,122 @@ def split_marker_url(path: str) -> tuple[str, str | None]:
     return (match["checkpoint"], match["save_id"]) if match else (str(path), None)
 
 
-def resolve_on_store(path: str) -> tuple[Store, CommittedSave] | None:
-    """The committed sharded save a restore from the URL ``path`` reads, or ``None`` when the URL holds a full file
-    (or nothing: the full loader then names what is missing).
+def resolve_on_store(path: str) -> tuple[Store, CommittedSave | StoredFile] | None:
+    """What a restore from the URL ``path`` reads: the newest committed sharded save, or the full object at the URL,
+    or ``None`` when neither is there (the full loader then names what is missing). Rank 0 lists the store once and
+    every rank takes its answer (a collective), so that the ranks read the same save even while another run commits
+    one.
 
     Raises:
-        FileNotFoundError: ``path`` names a commit marker that is not there.
-        StoreError: The store cannot be reached.
+        FileNotFoundError: ``path`` names a commit marker that is not there (on every rank).
+        StoreError: The store cannot be reached (on every rank).
     """
     url, save_id = split_marker_url(path)
     store = open_store(url)
+    found = _rank_zero_answer(lambda: _stored_checkpoint(store, path, save_id))
+    return None if found is None else (store, found)
+
+
+def _stored_checkpoint(store: Store, path: str, save_id: str | None) -> CommittedSave | StoredFile | None:
+    """What this process finds at ``path`` on ``store`` (see :func:`resolve_on_store`), listing it itself."""
     listing = list_store(store)
     if save_id is not None:
         chosen = next((save for save in listing.committed if save.save_id == save_id), None)
         if chosen is None:
-            raise FileNotFoundError(f"Checkpoint {path!r}: save {save_id} of {url!r} is not committed there.")
-        return store, chosen
-    return (store, listing.committed[0]) if listing.sharded_is_newest else None
+            raise FileNotFoundError(f"Checkpoint {path!r}: save {save_id} of {store.url!r} is not committed there.")
+        return chosen
+    if listing.sharded_is_newest:
+        return listing.committed[0]
+    if listing.full_file_size is None:
+        return None
+    name = Path(store.path).name or "checkpoint.ckpt"
+    return StoredFile(name, store.path, listing.full_file_size, "the object", "the store's listing")
+
+
+def _rank_zero_answer(ask: Callable[[], _T]) -> _T:
+    """Rank 0's result of ``ask`` on every rank, or its error raised on every rank (a collective)."""
+    answer: tuple[bool, Any] | None = None
+    if this_rank() == 0:
+        try:
+            answer = (True, ask())
+        except (OSError, CheckpointError) as error:  # what a listing raises: sent, then raised by every rank
+            answer = (False, error)
+    ok, value = every_rank(answer)[0]
+    if not ok:
+        raise value
+    return cast(_T, value)
 
 
 class Downloads:
-    """The local copies of stored sharded saves a restore reads; removed once the restore is done."""
+    """The local copies of stored checkpoints a restore reads, one per host: the processes that see the same local
+    scratch directory (found by looking, not assumed from the launcher) share one copy and each downloads an equal
+    share of its bytes, so a host fetches each byte once (instead of once per rank) and in parallel. Removed once
+    the restore is done."""
 
     def __init__(self) -> None:
-        self._scratch: list[Path] = []
+        self._copies: list[tuple[Path, bool]] = []  # (scratch directory, whether this process made it)
 
-    def fetch(self, store: Store, save: CommittedSave) -> Path:
-        """Downloads ``save`` of ``store`` into a new local directory and returns it."""
-        scratch = Path(tempfile.mkdtemp(prefix="lightning-strategies-download-"))
-        self._scratch.append(scratch)
-        return download_save(store, save, scratch / (Path(store.path).name or "checkpoint"))
+    def __bool__(self) -> bool:
+        return bool(self._copies)
 
-    def clear(self) -> None:
-        """Removes every local copy."""
-        for scratch in self._scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
-        self._scratch.clear()
+    def fetch(self, store: Store, files: list[StoredFile], name: str) -> Path:
+        """Downloads ``files`` of ``store`` into a new directory ``name`` of this host's copy and returns it (a
+        collective: every rank calls it with the same files).
+
+        Raises:
+            CheckpointFormatError: On every rank: a file is missing on the store or of another size than listed.
+            StoreError: On every rank: the store refused a read.
+        """
+        token = every_rank(secrets.token_hex(16))[0]  # rank 0's: one name for every host's copy
+        scratch = Path(tempfile.gettempdir()) / f"lightning-strategies-download-{token}"
+        made, unusable = True, None
+        try:
+            scratch.mkdir(mode=0o700)
+        except FileExistsError:  # another process of this host made it first
+            made = False
+        except OSError as error:
+            unusable = f"{type(error).__name__}: {error}"
+        if unusable is None:
+            self._copies.append((scratch, made))
+        refusals = [(rank, found) for rank, found in enumerate(every_rank(unusable)) if found is not None]
+        if refusals:  # every process made or found its directory before any looks at what it is
+            self.clear()
+            rank, refusal = refusals[0]
+            raise StoreError(
+                f"Checkpoint {store.url!r}: rank {rank} cannot make its local copy in {str(scratch.parent)!r}"
+                f" ({refusal}). Point TMPDIR at a writable local directory with room for the checkpoint."
+            )
+        seen = scratch.stat()
+        identity = (socket.gethostname(), seen.st_dev, seen.st_ino)
+        sharing = [rank for rank, other in enumerate(every_rank(identity)) if tuple(other) == identity]
+        local = scratch / name
+        local.mkdir(exist_ok=True)
+        share = split_download(files, len(sharing))[sharing.index(this_rank())]
+        problem: tuple[bool, str] | None = None
+        try:
+            download_ranges(store, share, local)
+        except CheckpointFormatError as error:
+            problem = (True, str(error))
+        except Exception as error:  # every rank learns of it below
+            problem = (False, f"{type(error).__name__}: {error}")
+        failures = [(rank, found) for rank, found in enumerate(every_rank(problem)) if found is not None]
+        if failures:
+            rank, (about_the_files, message) = failures[0]
+            if about_the_files:
+                raise CheckpointFormatError(message)
+            raise StoreError(f"Downloading checkpoint {store.url!r} failed on rank {rank}: {message}")
+        return local
+
+    def clear(self, barrier: Callable[[], None] | None = None) -> None:
+        """Removes the copies this process made; ``barrier`` first, where other processes may still read them."""
+        if not self._copies:
+            return
+        if barrier is not None:
+            barrier()
+        for scratch, made in self._copies:
+            if made:
+                shutil.rmtree(scratch, ignore_errors=True)
+        self._copies.clear()
 
 
 def last_checkpoints_with_urls(found: set[str], protocol_of: Callable[[str], str]) -> set[str]:
@@ -169,10 +254,11 @@ def last_checkpoints_with_urls(found: set[str], protocol_of: Callable[[str], str
     commit marker.
     """
     urls = set()
-    for path in found:
+    for path in found:  # each rank lists on its own: Lightning looks for "last" on every rank, not always on all
         url = protocol_of(path)
-        located = resolve_on_store(url)
-        urls.add(url if located is None else located[0].url_of(f"{located[1].save_id}{COMMIT_SUFFIX}"))
+        store = open_store(url)
+        located = _stored_checkpoint(store, url, None)
+        urls.add(store.url_of(f"{located.save_id}{COMMIT_SUFFIX}") if isinstance(located, CommittedSave) else url)
     return urls
 
 

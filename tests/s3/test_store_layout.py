@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from lightning_strategies.checkpoint.remote import (
     newest_committed,
     open_store,
     replace_problem_on_store,
+    streamed_write,
 )
 from lightning_strategies.cli import main
 from tests.s3.test_remote_checkpoints import TINY, RecordsTheStart, remote_full_checkpoint, strategy_for
@@ -53,6 +55,25 @@ def test_a_download_checks_every_file_against_the_size_its_marker_lists(
     commit_save(target, SAVE_ID, {"meta.pt": 5})
     with pytest.raises(CheckpointFormatError, match=r"meta\.pt of save .* holds 3 bytes, its commit marker says 5"):
         download_save(target, newest_committed(target), tmp_path / "copy")
+
+
+@pytest.mark.parametrize("written_mib", [1, 20], ids=["before-the-first-part", "after-parts-were-uploaded"])
+def test_a_full_save_that_fails_while_streaming_leaves_the_previous_object_and_no_open_upload(
+    store: S3Server, s3_bucket: str, written_mib: int
+) -> None:
+    url = f"{s3_bucket}/run/last.ckpt"
+    store.filesystem().pipe_file(url, b"the previous checkpoint")
+
+    def write_then_fail(file: Any) -> None:
+        file.write(bytes(written_mib * 1024 * 1024))
+        raise RuntimeError("serialization failed")
+
+    with pytest.raises(RuntimeError, match="serialization failed"):
+        streamed_write(open_store(url), write_then_fail)
+
+    assert store.filesystem().cat_file(url) == b"the previous checkpoint"
+    uploads = store.client().list_multipart_uploads(Bucket=s3_bucket.removeprefix("s3://")).get("Uploads", [])
+    assert uploads == []
 
 
 def test_objects_no_save_wrote_are_never_replaced(store: S3Server, s3_bucket: str) -> None:
