@@ -41,7 +41,7 @@ from fsspec import AbstractFileSystem
 
 from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError, StoreError
 from lightning_strategies.checkpoint.targets import CHECKPOINT_DIRECTORY_ENTRIES, is_checkpoint_stream
-from lightning_strategies.checkpoint.upload_pipeline import PartPipeline
+from lightning_strategies.checkpoint.upload_pipeline import FileParts, PartPipeline, PartSink, S3Parts
 
 COMMIT_SUFFIX: Final = ".commit"
 #: What a commit marker says it is (its ``"format"``), and the largest one read (a marker lists file names and sizes).
@@ -49,10 +49,9 @@ COMMIT_FORMAT: Final = "lightning_strategies sharded checkpoint on a store"
 _COMMIT_MAX_BYTES: Final = 1 << 20
 _SAVE_ID: Final = re.compile(r"^[0-9a-f]{32}$")
 _COMMIT_NAME: Final = re.compile(r"^([0-9a-f]{32})\.commit$")
-#: Part size of streamed uploads (S3's smallest is 5 MiB): s3fs holds about two copies of a part while it uploads it
-#: and one more waits, so small parts keep a full save's extra memory low (benchmarks: 32 MiB parts added 2.4x a
-#: 50 MB file, 8 MiB 0.4x).
-UPLOAD_BLOCK_SIZE: Final = 8 * 1024 * 1024
+#: Part size of streamed uploads: S3's smallest. A full save holds two parts beside the checkpoint (one filled, one
+#: uploading; benchmarks: s3fs's own file with 32 MiB parts added 2.4x a 50 MB file, with 8 MiB 0.6x).
+UPLOAD_BLOCK_SIZE: Final = 5 * 1024 * 1024
 #: Block size for reading a stored object's header and zip directory only (the default would fetch the whole object).
 PROBE_BLOCK_SIZE: Final = 64 * 1024
 
@@ -290,33 +289,33 @@ def replace_problem_on_store(store: Store, sharded: bool) -> str | None:
 
 def streamed_write(store: Store, write: Callable[[IO[bytes]], None]) -> None:
     """Writes one object at the URL by streaming ``write``'s bytes into it, uploaded in parts of
-    :data:`UPLOAD_BLOCK_SIZE` while the next part is written (:class:`~lightning_strategies.checkpoint.
-    upload_pipeline.PartPipeline`): a few parts are held beside the data written, never a copy of the checkpoint.
-    The object appears only once everything was written and uploaded; when ``write`` or an upload fails, the
-    upload is abandoned (a multipart upload is aborted) and what was at the URL before stays as it was.
+    :data:`UPLOAD_BLOCK_SIZE` while the next part is written (:mod:`~lightning_strategies.checkpoint.upload_pipeline`:
+    an S3 multipart upload through s3fs, a file of any other fsspec backend): two parts are held beside the data
+    written, never a copy of the checkpoint. The object appears only once everything was written and uploaded; when
+    ``write`` or an upload fails, the upload is abandoned and what was at the URL before stays as it was.
 
     Raises:
         StoreError: The store refused the write.
     """
     try:
         store.fs.makedirs(store.path.rsplit("/", 1)[0], exist_ok=True)
-        file = store.fs.open(store.path, "wb", block_size=UPLOAD_BLOCK_SIZE)
+        sink: PartSink = (
+            S3Parts(store.fs, store.path)
+            if hasattr(store.fs, "call_s3")
+            else FileParts(store.fs.open(store.path, "wb", block_size=UPLOAD_BLOCK_SIZE))
+        )
     except (PermissionError, FileNotFoundError) as error:
         raise _unreachable(store, error) from error
-    pipeline = PartPipeline(file, UPLOAD_BLOCK_SIZE)
+    pipeline = PartPipeline(sink, UPLOAD_BLOCK_SIZE)
     try:
         write(cast(IO[bytes], pipeline))
-        pipeline.finish()
-        file.close()  # completes the upload: the object appears
-    except BaseException as error:
+    except BaseException:
         pipeline.abort()
-        # Not `with fs.open(...)`: fsspec closes the file on an error too, which would publish a truncated object.
-        with contextlib.suppress(Exception):
-            file.discard()
-        file.closed = True  # else its finalizer would close it, finishing the upload
-        if isinstance(error, PermissionError | FileNotFoundError):
-            raise _unreachable(store, error) from error
         raise
+    try:
+        pipeline.finish()
+    except (PermissionError, FileNotFoundError) as error:
+        raise _unreachable(store, error) from error
 
 
 def upload_save_files(store: Store, save_id: str, local: Path) -> dict[str, int]:

@@ -5,6 +5,7 @@ objects no save wrote are never replaced, and ``inspect``/``consolidate``/``expo
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 
 from lightning_strategies.checkpoint.errors import CheckpointError, CheckpointFormatError
 from lightning_strategies.checkpoint.remote import (
+    UPLOAD_BLOCK_SIZE,
     commit_save,
     download_save,
     list_store,
@@ -55,6 +57,20 @@ def test_a_download_checks_every_file_against_the_size_its_marker_lists(
     commit_save(target, SAVE_ID, {"meta.pt": 5})
     with pytest.raises(CheckpointFormatError, match=r"meta\.pt of save .* holds 3 bytes, its commit marker says 5"):
         download_save(target, newest_committed(target), tmp_path / "copy")
+
+
+@pytest.mark.parametrize("size", [0, 100, UPLOAD_BLOCK_SIZE, 2 * UPLOAD_BLOCK_SIZE + 3])
+def test_a_streamed_object_holds_exactly_what_was_written(store: S3Server, s3_bucket: str, size: int) -> None:
+    url = f"{s3_bucket}/run/last.ckpt"
+    data = os.urandom(size)
+
+    def write_in_pieces(file: Any) -> None:  # torch.save writes records of every size
+        for start in range(0, size, 3_000_001):
+            file.write(memoryview(data)[start : start + 3_000_001])
+
+    streamed_write(open_store(url), write_in_pieces)
+
+    assert store.filesystem().cat_file(url) == data
 
 
 @pytest.mark.parametrize("written_mib", [1, 20], ids=["before-the-first-part", "after-parts-were-uploaded"])
