@@ -30,6 +30,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -499,35 +500,71 @@ def split_download(files: Sequence[StoredFile], parts: int) -> list[list[FileRan
     return shares
 
 
-#: The largest range one request of a download fetches: a process holds one such block at a time.
-DOWNLOAD_BLOCK_SIZE: Final = 16 * 1024 * 1024
+#: The largest range one request of a download fetches, and how many requests a process has under way at once (a
+#: ranged read waits on the network and the store more than on this process): it holds at most that many blocks.
+DOWNLOAD_BLOCK_SIZE: Final = 8 * 1024 * 1024
+DOWNLOADS_AT_ONCE: Final = 3
 
 
 def download_ranges(store: Store, ranges: Sequence[FileRange], local: Path) -> None:
     """Writes each range of its stored file into the file of that name in the local directory ``local``, at its
-    offset (other processes may write the other ranges of the same file at the same time). The range that ends a
-    file also asks for one byte past it, so an object longer than its listed size is noticed, like a shorter one.
+    offset (other processes may write the other ranges of the same file at the same time), in blocks of
+    :data:`DOWNLOAD_BLOCK_SIZE`, :data:`DOWNLOADS_AT_ONCE` at a time. The block that ends a file also asks for one
+    byte past it, so an object longer than its listed size is noticed, like a shorter one.
 
     Raises:
         CheckpointFormatError: A file is missing on the store or of another size than listed.
         StoreError: The store refused a read.
     """
-    for file, start, end in ranges:
-        descriptor = os.open(local / file.name, os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            if file.size == 0 and _stored_size(store, file) != 0:
-                raise _wrong_size(store, file, _stored_size(store, file))
-            position = start
-            while position < end:
-                stop = min(end, position + DOWNLOAD_BLOCK_SIZE)
-                asked = stop + 1 if stop == file.size else stop
-                data = _read_range(store, file, position, asked)
-                if len(data) != stop - position:
-                    raise _wrong_size(store, file, position + len(data) if len(data) < stop - position else None)
-                _write_at(descriptor, data, position)
-                position = stop
-        finally:
+    blocks = [
+        (file, position, min(end, position + DOWNLOAD_BLOCK_SIZE))
+        for file, start, end in ranges
+        for position in (range(start, end, DOWNLOAD_BLOCK_SIZE) if end > start else [start])
+    ]
+    descriptors: dict[str, int] = {}
+    try:
+        for file, _, _ in blocks:  # every file of the share exists locally before any block is written
+            if file.name not in descriptors:
+                descriptors[file.name] = os.open(local / file.name, os.O_WRONLY | os.O_CREAT, 0o600)
+
+        def fetch(block: FileRange) -> None:
+            file, start, stop = block
+            if start == stop:  # an empty file: empty on the store too
+                if (size := _stored_size(store, file)) != 0:
+                    raise _wrong_size(store, file, size)
+                return
+            data = _read_block(store, file, start, stop)
+            if len(data) != stop - start:
+                raise _wrong_size(store, file, start + len(data) if len(data) < stop - start else None)
+            _write_at(descriptors[file.name], data, start)
+
+        if len(blocks) <= 1:
+            for block in blocks:
+                fetch(block)
+            return
+        with ThreadPoolExecutor(min(DOWNLOADS_AT_ONCE, len(blocks)), "lightning-strategies-download") as pool:
+            fetched = [pool.submit(fetch, block) for block in blocks]
+            try:
+                for future in fetched:
+                    future.result()
+            except BaseException:
+                pool.shutdown(cancel_futures=True)  # the blocks not started yet are not fetched
+                raise
+    finally:
+        for descriptor in descriptors.values():
             os.close(descriptor)
+
+
+def _read_block(store: Store, file: StoredFile, start: int, stop: int) -> bytes:
+    """The bytes ``start:stop`` of a stored file, and the byte past them where ``stop`` ends the file."""
+    try:
+        return _read_range(store, file, start, stop + 1 if stop == file.size else stop)
+    except (CheckpointFormatError, StoreError):
+        raise
+    except OSError:  # a range past the object's end (S3: InvalidRange): it is shorter than listed
+        if (size := _stored_size(store, file)) != file.size:
+            raise _wrong_size(store, file, size) from None
+        raise
 
 
 def _read_range(store: Store, file: StoredFile, start: int, end: int) -> bytes:
