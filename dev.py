@@ -12,8 +12,8 @@
 the unified ``lightning`` package only) runs ``tests/both_packages`` (conformance kit, cross-strategy resumes,
 cross-package checkpoints) but for its tests marked ``flavour_independent``; ``newest`` and ``oldest``
 (``.venv-newest``, ``.venv-oldest``: the ends of the ranges ``pyproject.toml`` declares, torch's CUDA build from
-pypi.org run on the CPU) run ``tests/both_packages``, the differential fuzzer's CI examples and the checkpoint IO
-plugin tests (``VERSION_LEG_TESTS``). Their environments are
+pypi.org run on the CPU) run ``tests/both_packages``, the differential fuzzer's CI examples, the checkpoint IO
+plugin tests and the resume matrix's remote cells on the S3 server (``VERSION_LEG_TESTS``). Their environments are
 built in the background while the pinned leg runs (their logs: ``.venv-newest.log``, ``.venv-oldest.log``).
 ``demo`` needs only ``.venv``. Extra arguments go to the demo or to pytest (pinned leg only), e.g.
 ``python3 dev.py test -k sharded``.
@@ -96,6 +96,8 @@ VERSION_LEG_TESTS = (
     # Where Lightning's checkpoint IO differs between releases (weights_only, AsyncCheckpointIO's writer thread).
     "tests/checkpoint/test_security.py",
     "tests/checkpoint/test_async_checkpoint_io.py",
+    # The resume matrix's remote cells: checkpoints on the S3 server, resumed by another strategy from the URL.
+    "tests/s3/test_remote_resume_matrix.py",
 )
 VERSION_LEG_TESTS_ENVIRONMENTS = (NEWEST_ENV, OLDEST_ENV)
 
