@@ -1,11 +1,12 @@
 """The resume matrix's remote cells (also run under the version legs, ``dev.py``): each strategy and format saves to
-the store with ``ModelCheckpoint``, another strategy resumes that checkpoint from the URL and trains on, and its final
-weights equal the saving run's uninterrupted ones. Each saver is resumed by the next strategy in turn, so that every
-saver and every resumer is covered in five pairs (the local matrix runs every pair:
-``tests/both_packages/test_resume_matrix.py``)."""
+the store with ``ModelCheckpoint``, another strategy resumes that checkpoint from the URL and trains on, its final
+weights equal the saving run's uninterrupted ones, and the local copy the resume read is gone afterwards. Each saver
+is resumed by the next strategy in turn, so that every saver and every resumer is covered in five pairs (the local
+matrix runs every pair: ``tests/both_packages/test_resume_matrix.py``)."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,12 @@ EPOCHS = {"limit_train_batches": 2, "limit_val_batches": 0, "enable_checkpointin
 
 @pytest.mark.parametrize(("saver", "resumer"), PAIRS, ids=[f"{s}-{f}-by-{r}" for (s, f), r in PAIRS])
 def test_a_checkpoint_on_the_store_resumes_under_another_strategy_as_if_uninterrupted(
-    store: S3Server, s3_bucket: str, tmp_path: Path, saver: tuple[str, str], resumer: str
+    store: S3Server,
+    s3_bucket: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    saver: tuple[str, str],
+    resumer: str,
 ) -> None:
     name, state_dict_type = saver
     run = f"{s3_bucket}/run"
@@ -40,7 +46,12 @@ def test_a_checkpoint_on_the_store_resumes_under_another_strategy_as_if_uninterr
     with torch.no_grad():
         for parameter in resumed.parameters():
             parameter.add_(1.0)
+    scratch = tmp_path / "scratch"  # where the ranks' shared local copy of the checkpoint goes (the forks inherit it)
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     fit(strategy_for(resumer), resumed, ckpt_path=f"{run}/epoch=0.ckpt", callbacks=[start], max_epochs=2, **EPOCHS)  # type: ignore[arg-type]
+
+    assert not list(scratch.glob("lightning-strategies-download-*"))  # the copy is gone once the restore is done
 
     assert start.step == 2
     for key, value in uninterrupted.state_dict().items():
