@@ -35,6 +35,9 @@ from tests.support.upstream_runs import OURS_SHARDED, FSDPStrategyOnCPU, Sharded
 
 PYTORCH_LIGHTNING = pl.__version__
 
+#: The page beside this one (in ``docs/``) that proposes each finding's fix upstream (``scripts.upstream_proposals``).
+PROPOSALS_PAGE = "upstream-proposals.md"
+
 
 @dataclass(frozen=True)
 class Observation:
@@ -357,6 +360,21 @@ def run_upstream_matrix(root: Path) -> Matrix:
     return run_matrix(upstream_matrix_strategies(), root / "matrix", model_class=ShardedByUser)
 
 
+def heading_anchor(title: str) -> str:
+    """The anchor GitHub and MyST (``myst_heading_anchors`` in ``docs/conf.py``) give a heading ``## title``: lower
+    case, spaces as hyphens, every character but word characters and hyphens dropped."""
+    return re.sub(r"[^\w\-]", "", title.lower().replace(" ", "-"))
+
+
+def proposal_link(slug: str) -> str:
+    """A link from finding ``slug`` (of :data:`FINDINGS`, or the resume matrix's ``betas-restored-as-lists``) to the
+    section of :data:`PROPOSALS_PAGE` that proposes its fix."""
+    from scripts.upstream_proposals import FINDING_PROPOSALS, PROPOSALS  # they import this module: not at the top
+
+    proposal = next(proposal for proposal in PROPOSALS if proposal.slug == FINDING_PROPOSALS[slug])
+    return f"[{proposal.title}]({PROPOSALS_PAGE}#{heading_anchor(proposal.title)})"
+
+
 def run_findings(root: Path) -> dict[str, Observation]:
     """Runs every reproduction in its own directory under ``root``."""
     results = {}
@@ -419,6 +437,8 @@ def page(results: dict[str, Observation], reports: dict[str, ConformanceReport],
         "the two agree, and `tests/checkpoint/test_upstream_interop.py` resumes such files with groups in another",
         "order.",
         "",
+        f"Proposed fix of the `betas`: {proposal_link('betas-restored-as-lists')}.",
+        "",
     ]
     for finding in FINDINGS:
         observed = results[finding.slug]
@@ -429,6 +449,7 @@ def page(results: dict[str, Observation], reports: dict[str, ConformanceReport],
             f"- **Reproduction:** {finding.reproduction}",
             f"- **Upstream:** {observed.upstream.rstrip('.')}.",
             f"- **This package:** {observed.ours.rstrip('.')}.",
+            f"- **Proposed fix:** {proposal_link(finding.slug)}.",
             "",
         ]
     return "\n".join(lines)

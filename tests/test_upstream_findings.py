@@ -6,6 +6,7 @@ docs/upstream-findings.md``) and drop the finding.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,11 @@ import pytest
 from lightning_strategies.testing.matrix import run_matrix
 from scripts.upstream_findings import (
     FINDINGS,
+    PROPOSALS_PAGE,
     Finding,
+    heading_anchor,
     kit_table,
+    proposal_link,
     run_kit,
     upstream_matrix_strategies,
 )
@@ -34,6 +38,24 @@ def test_the_page_states_every_finding_with_its_reproduction() -> None:
     text = PAGE.read_text()
     for finding in FINDINGS:
         assert f"## {finding.title}" in text and finding.reproduction in text, finding.slug
+
+
+def test_the_page_links_every_finding_to_its_proposal() -> None:
+    text = PAGE.read_text()
+    sections = text.split("\n## ")
+    for finding in FINDINGS:
+        section = next(part for part in sections if part.startswith(f"{finding.title}\n"))
+        assert f"- **Proposed fix:** {proposal_link(finding.slug)}." in section, finding.slug
+    assert f"Proposed fix of the `betas`: {proposal_link('betas-restored-as-lists')}." in text
+    headings = (PAGE.parent / PROPOSALS_PAGE).read_text().splitlines()
+    anchors = {heading_anchor(line.removeprefix("## ")) for line in headings if line.startswith("## ")}
+    linked = re.findall(rf"\]\({re.escape(PROPOSALS_PAGE)}#([^)]+)\)", text)
+    assert len(linked) == len(FINDINGS) + 1 and set(linked) <= anchors, linked
+
+
+def test_heading_anchors_are_githubs_and_mysts() -> None:
+    title = "Resuming a distributed checkpoint runs code from its `.metadata` (rank 0's memory)"
+    assert heading_anchor(title) == "resuming-a-distributed-checkpoint-runs-code-from-its-metadata-rank-0s-memory"
 
 
 def _verdicts(table: str) -> dict[tuple[str, str], str]:

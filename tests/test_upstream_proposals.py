@@ -73,6 +73,16 @@ def test_every_open_upstream_issue_this_package_solves_has_a_proposal() -> None:
 
 
 @pytest.mark.parametrize("proposal", PROPOSALS, ids=list(BY_SLUG))
+def test_a_fabric_test_after_the_first_or_the_reason_there_is_none(proposal: Proposal) -> None:
+    names = [test.__name__ for test in proposal.tests]
+    fabric = [name for name in names if name.startswith("test_fabric_")]
+    if fabric:  # Lightning's contributing guide: the Trainer's strategy and Fabric's, where both have the problem
+        assert len(fabric) == 1 and names[0] not in fabric, names
+    else:
+        assert "No Fabric test" in " ".join(proposal.notes), proposal.slug
+
+
+@pytest.mark.parametrize("proposal", PROPOSALS, ids=list(BY_SLUG))
 def test_the_issue_text_follows_lightnings_template(proposal: Proposal) -> None:
     bug = ["Bug description", "Reproduction", "Expected", "Actual", "Environment"]
     feature = ["Description & Motivation", "Pitch", "Alternatives"]

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import lightning_fabric.strategies.model_parallel as fabric_model_parallel
 import torch
 import torch.distributed as dist
+from lightning_fabric import Fabric
+from lightning_fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning_fabric.utilities.load import _METADATA_FILENAME
 from pytorch_lightning.demos.boring_classes import BoringModel
 from pytorch_lightning.strategies import ModelParallelStrategy
+from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter, async_save
 from torch.distributed.fsdp import fully_shard
 
@@ -65,11 +70,50 @@ class AsyncDCPSaves(ModelParallelStrategy):
         super().teardown()
 
 
-def _save_and_order(root: Path, strategy: ModelParallelStrategy, model: Any) -> list[str]:
-    """Fit, then save while DCP's writes wait (up to 1 s) for the save call to return: the order the two happened."""
-    fitted = trainer(strategy, root)
-    fitted.fit(model)
-    returned, events = threading.Event(), []
+class FabricAsyncDCPSaves(FabricModelParallelStrategy):
+    """The same option on Fabric's ``ModelParallelStrategy``: its DCP save (``_distributed_checkpoint_save``, patched
+    for one call) starts ``async_save`` and keeps the future; the next save, a load and the teardown wait for it."""
+
+    def __init__(self, *args: Any, async_save: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.async_save = async_save
+        self._write: Future[Any] | None = None
+        self._write_group: Any = None
+
+    def wait_for_checkpoint(self) -> None:
+        """Returns when the last asynchronous save is on disk (raising its error, if it failed)."""
+        if self._write is not None:
+            write, self._write = self._write, None
+            write.result()
+
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any = None, filter: Any = None
+    ) -> None:
+        self.wait_for_checkpoint()
+        if not (self.async_save and self._save_distributed_checkpoint):
+            return super().save_checkpoint(path, state, storage_options, filter)
+        if self._write_group is None:  # the background thread's collectives must not meet the training's
+            self._write_group = dist.new_group(backend="gloo")
+
+        def save(converted_state: dict[str, Any], directory: Path) -> None:
+            self._write = async_save(converted_state, checkpoint_id=directory, process_group=self._write_group)
+
+        with mock.patch.object(fabric_model_parallel, "_distributed_checkpoint_save", save):
+            return super().save_checkpoint(path, state, storage_options, filter)
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self.wait_for_checkpoint()
+        return super().load_checkpoint(*args, **kwargs)
+
+    def teardown(self) -> None:
+        self.wait_for_checkpoint()
+        super().teardown()
+
+
+@contextlib.contextmanager
+def _writes_held(events: list[str]) -> Iterator[threading.Event]:
+    """DCP's file writes wait (up to 1 s) for the event and then record ``"written"`` in ``events``."""
+    returned = threading.Event()
     write = FileSystemWriter.write_data
 
     def slow_write(self: FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
@@ -78,6 +122,15 @@ def _save_and_order(root: Path, strategy: ModelParallelStrategy, model: Any) -> 
         return write(self, *args, **kwargs)
 
     with mock.patch.object(FileSystemWriter, "write_data", slow_write):
+        yield returned
+
+
+def _save_and_order(root: Path, strategy: ModelParallelStrategy, model: Any) -> list[str]:
+    """Fit, then save while DCP's writes wait (up to 1 s) for the save call to return: the order the two happened."""
+    fitted = trainer(strategy, root)
+    fitted.fit(model)
+    events: list[str] = []
+    with _writes_held(events) as returned:
         fitted.save_checkpoint(root / "async.ckpt")
         events.append("returned")
         returned.set()
@@ -154,6 +207,35 @@ def test_async_distributed_checkpoint_returns_before_the_write(tmp_path: Path, c
     assert orders == [["returned", "written"]] * 2
 
 
+# The test for upstream's tests_fabric/strategies/test_model_parallel_integration.py
+
+
+def _shard(module: nn.Module, mesh: Any) -> nn.Module:
+    fully_shard(module, mesh=mesh["data_parallel"])
+    return module
+
+
+def _fabric_save_and_order(root: Path, cls: type) -> list[str]:
+    strategy = cls(_shard, data_parallel_size=2, tensor_parallel_size=1, async_save=True)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(nn.Linear(32, 4))
+    events: list[str] = []
+    with _writes_held(events) as returned:
+        fabric.save(root / "async.ckpt", {"model": model})
+        events.append("returned")
+        returned.set()
+        strategy.wait_for_checkpoint()  # what the next save, a load and the teardown call
+    return events
+
+
+def test_fabric_async_distributed_checkpoint_returns_before_the_write(
+    tmp_path: Path, cls: type = FabricAsyncDCPSaves
+) -> None:
+    assert on_two_ranks(lambda: _fabric_save_and_order(tmp_path, cls)) == [["returned", "written"]] * 2
+    assert (tmp_path / "async.ckpt" / ".metadata").is_file()
+
+
 PROPOSAL = Proposal(
     slug="async-dcp-save",
     title="Asynchronous distributed checkpoint saves for ModelParallelStrategy",
@@ -175,7 +257,8 @@ PROPOSAL = Proposal(
     " must not interleave with the training's on the default group) and keeps the future; `save_checkpoint`,"
     " `load_checkpoint` and `teardown` wait for it. Here: `AsyncDCPSaves`, a subclass. The complete version also"
     " writes `meta.pt` only after the write finished (here it is written at once, so a crash mid-write leaves a"
-    " directory that looks complete until `.metadata` is missing) and gives Fabric the same option.",
+    " directory that looks complete until `.metadata` is missing). Fabric's `ModelParallelStrategy` gets the same"
+    " option (`_save_checkpoint` starts the write, `load_checkpoint` and `teardown` wait): `FabricAsyncDCPSaves`.",
     cost="Behaviour: unchanged unless `async_save=True`. Memory: one host copy of this rank's shard while a write is"
     " pending. Risk: a crash during the background write loses that checkpoint (the previous one is intact as"
     " long as `ModelCheckpoint` removes it only after the next save, which it does).",
@@ -186,7 +269,12 @@ PROPOSAL = Proposal(
     tests=(
         test_async_distributed_checkpoint_returns_before_the_write,
         test_async_distributed_checkpoint_holds_the_state_at_the_save,
+        test_fabric_async_distributed_checkpoint_returns_before_the_write,
     ),
     upstream_test_file="tests_pytorch/strategies/test_model_parallel_integration.py",
-    notes=(f"Issue: {ISSUES}21557; PR 21515.",),
+    notes=(
+        f"Issue: {ISSUES}21557; PR 21515. The Fabric test goes into upstream's"
+        " `tests_fabric/strategies/test_model_parallel_integration.py`: `fabric.save` of a distributed checkpoint"
+        " waits for every byte the same way.",
+    ),
 )

@@ -10,9 +10,12 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+from lightning_fabric import Fabric
+from lightning_fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.demos.boring_classes import BoringModel
 from pytorch_lightning.strategies import ModelParallelStrategy
+from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from scripts.upstream_findings import _RunsCode
@@ -56,16 +59,28 @@ class MetadataOnly(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def check_metadata(path: Path) -> None:
+    """Reads the ``.metadata`` of the DCP directory ``path`` (if there is one) with :class:`MetadataOnly`."""
+    if (path / ".metadata").is_file():
+        with (path / ".metadata").open("rb") as file:
+            MetadataOnly(file).load()
+
+
 class MetadataReadSafely(ModelParallelStrategy):
     """Upstream's ``ModelParallelStrategy``, reading a directory's ``.metadata`` with :class:`MetadataOnly` before
     torch's DCP reader unpickles it."""
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        metadata = Path(self.broadcast(checkpoint_path)) / ".metadata"
-        if metadata.is_file():
-            with metadata.open("rb") as file:
-                MetadataOnly(file).load()
+        check_metadata(Path(self.broadcast(checkpoint_path)))
         return super().load_checkpoint(checkpoint_path, weights_only)
+
+
+class FabricMetadataReadSafely(FabricModelParallelStrategy):
+    """The same check on Fabric's ``ModelParallelStrategy`` (``fabric.load`` of a directory)."""
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> dict[str, Any]:
+        check_metadata(Path(self.broadcast(path)))
+        return super().load_checkpoint(path, state, strict, **kwargs)
 
 
 def _craft(directory: Path, marker: Path) -> None:
@@ -126,6 +141,35 @@ def test_load_distributed_checkpoint_reads_the_metadata_it_saved(
         assert MetadataOnly(file).load().state_dict_metadata
 
 
+# The test for upstream's tests_fabric/strategies/test_model_parallel_integration.py
+
+
+def _shard(module: nn.Module, mesh: Any) -> nn.Module:
+    fully_shard(module, mesh=mesh["data_parallel"])
+    return module
+
+
+def _fabric_save_or_load(root: Path, cls: type, load: bool) -> None:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=cls(_shard, data_parallel_size=2, tensor_parallel_size=1))
+    fabric.launch()
+    model = fabric.setup_module(nn.Linear(32, 4))
+    if not load:
+        fabric.save(root / "saved", {"model": model})
+        return
+    with contextlib.suppress(pickle.UnpicklingError):
+        fabric.load(root / "saved", {"model": model})
+
+
+def test_fabric_load_distributed_checkpoint_runs_no_code_from_metadata(
+    tmp_path: Path, cls: type = FabricMetadataReadSafely
+) -> None:
+    on_two_ranks(lambda: _fabric_save_or_load(tmp_path, cls, load=False))
+    _craft(tmp_path / "saved", tmp_path / "code-ran")
+    with contextlib.suppress(RuntimeError):  # a rank's error, if the load got past the metadata
+        on_two_ranks(lambda: _fabric_save_or_load(tmp_path, cls, load=True))
+    assert not (tmp_path / "code-ran").exists()
+
+
 PROPOSAL = Proposal(
     slug="code-in-metadata",
     title="Resuming a distributed checkpoint runs code from its `.metadata`",
@@ -148,19 +192,26 @@ PROPOSAL = Proposal(
     change="`src/lightning/fabric/strategies/model_parallel.py` `_load_checkpoint` and"
     " `src/lightning/fabric/strategies/fsdp.py` `_distributed_checkpoint_load`: before torch's reader runs, read"
     " `.metadata` with an unpickler that builds only the types DCP metadata holds (DCP's dataclasses and enums,"
-    " `torch.Size`, dtypes, layouts, paths) and refuses every other global. Here: `MetadataOnly`, called by a"
-    " subclass before upstream's load. The complete version passes a `FileSystemReader` subclass whose"
+    " `torch.Size`, dtypes, layouts, paths) and refuses every other global. Here: `MetadataOnly`, called"
+    " (`check_metadata`) by a subclass before upstream's load, `MetadataReadSafely` (and `FabricMetadataReadSafely`"
+    " on Fabric's class). The complete version passes a `FileSystemReader` subclass whose"
     " `read_metadata` uses the restricted unpickler, so the file is read once (no window between check and use).",
     cost="Behaviour: DCP metadata of torch 2.4 to 2.13 loads as before (the types are those torch writes);"
     " a `.metadata` with other globals (a custom planner's extra types) is refused and needs an opt-out, like"
     " `weights_only=False`. The metadata is read twice here (it is small).",
-    fix=(MetadataOnly, MetadataReadSafely.load_checkpoint),
+    fix=(MetadataOnly, check_metadata, MetadataReadSafely.load_checkpoint),  # Fabric's override: the same
     released=ModelParallelStrategy,
     changed=MetadataReadSafely,
     reproduce=reproduce,
     tests=(
         test_load_distributed_checkpoint_runs_no_code_from_metadata,
         test_load_distributed_checkpoint_reads_the_metadata_it_saved,
+        test_fabric_load_distributed_checkpoint_runs_no_code_from_metadata,
     ),
     upstream_test_file="tests_pytorch/strategies/test_model_parallel_integration.py",
+    notes=(
+        "The Fabric test goes into upstream's `tests_fabric/strategies/test_model_parallel_integration.py`: the load"
+        " that unpickles `.metadata` is Fabric's `_load_checkpoint`, which `fabric.load` and the Trainer's strategy"
+        " both call (Fabric's `FSDPStrategy` reads sharded directories through the same DCP reader).",
+    ),
 )

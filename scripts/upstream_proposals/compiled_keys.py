@@ -171,6 +171,13 @@ PROPOSAL = Proposal(
         test_compiled_submodule_resumes_from_its_checkpoint,
     ),
     upstream_test_file="tests_pytorch/strategies/test_fsdp.py",
-    notes=(f"Issue: {ISSUES}20233.",),
+    notes=(
+        f"Issue: {ISSUES}20233. No Fabric test: the issue and the change are the Trainer's checkpoint of a"
+        " `LightningModule` (`lightning_module_state_dict`) and `load_from_checkpoint`, which Fabric does not have;"
+        " `fabric.save` and `fabric.load` store and restore `state_dict()` as the user's module names it, in every"
+        " strategy (what `load_state_dict` of the same module expects), and Fabric already unwraps a top-level"
+        " `torch.compile` in `setup_module` and `save`. Renaming keys in Fabric would change that contract: a"
+        " proposal of its own.",
+    ),
     released_label="Upstream as released, with the CPU change of the FSDPStrategy proposal (the only way it runs here)",
 )

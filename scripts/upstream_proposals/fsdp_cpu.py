@@ -8,8 +8,11 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import lightning_fabric.strategies.fsdp as fabric_fsdp
 import pytorch_lightning.strategies.fsdp as trainer_fsdp
 import torch
+from lightning_fabric import Fabric
+from lightning_fabric.strategies import FSDPStrategy as FabricFSDPStrategy
 from pytorch_lightning.demos.boring_classes import BoringModel
 from pytorch_lightning.strategies import FSDPStrategy
 from torch import nn
@@ -43,6 +46,12 @@ def full_state_context(module: nn.Module, world_size: int, rank0_only: bool = Tr
 @contextlib.contextmanager
 def _offloading_from_accelerators_only() -> Iterator[None]:
     with mock.patch.object(trainer_fsdp, "_get_full_state_dict_context", full_state_context):
+        yield
+
+
+@contextlib.contextmanager
+def _fabric_offloading_from_accelerators_only() -> Iterator[None]:
+    with mock.patch.object(fabric_fsdp, "_get_full_state_dict_context", full_state_context):
         yield
 
 
@@ -88,6 +97,42 @@ class FSDPStrategyOnCPU(FSDPStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
 
 
+class FabricFSDPStrategyOnCPU(FabricFSDPStrategy):
+    """The same fixes on Fabric's ``FSDPStrategy``: past Fabric's connector (which looks for the exact type too),
+    the device handed to FSDP1 in ``setup_module`` and ``module_sharded_context``, and full saves and loads through
+    :func:`full_state_context`."""
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        if not any(isinstance(child, FullyShardedDataParallel) for child in module.modules()):
+            module = FullyShardedDataParallel(
+                module=module,
+                cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy,
+                device_id=self.root_device,
+                **self._fsdp_kwargs,
+            )
+        return super().setup_module(module)
+
+    def module_sharded_context(self) -> Any:
+        return enable_wrap(
+            wrapper_cls=FullyShardedDataParallel,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=self.root_device,
+            **self._fsdp_kwargs,
+        )
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        with _fabric_offloading_from_accelerators_only():
+            super().save_checkpoint(*args, **kwargs)
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        with _fabric_offloading_from_accelerators_only():
+            return super().load_checkpoint(*args, **kwargs)
+
+
 def reproduce(root: Path, cls: type) -> Outcome:
     """``Trainer(strategy=cls(state_dict_type='full'), accelerator='cpu', devices=2)`` fits a model it wraps itself
     and saves a full file, which ``torch.load`` reads back whole."""
@@ -125,6 +170,26 @@ def test_fsdp_wraps_in_configure_model_on_cpu(tmp_path: Path, cls: type = FSDPSt
     assert model.layer.weight.shape == (2, 32)
 
 
+# The test for upstream's tests_fabric/strategies/test_fsdp_integration.py
+
+
+def _fabric_step_and_save(root: Path, cls: type) -> None:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=cls(state_dict_type="full"))
+    fabric.launch()
+    model = fabric.setup_module(nn.Linear(32, 2))
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters()))
+    fabric.backward(model(torch.randn(4, 32)).sum())
+    optimizer.step()
+    fabric.save(root / "full.ckpt", {"model": model, "optimizer": optimizer})
+
+
+def test_fabric_fsdp_trains_and_saves_on_cpu(tmp_path: Path, cls: type = FabricFSDPStrategyOnCPU) -> None:
+    on_two_ranks(lambda: _fabric_step_and_save(tmp_path, cls))
+    state = torch.load(tmp_path / "full.ckpt", weights_only=True)
+    assert state["model"]["weight"].shape == (2, 32)
+    assert state["optimizer"]["state"]["weight"]["exp_avg"].shape == (2, 32)
+
+
 PROPOSAL = Proposal(
     slug="fsdp-cpu",
     title="FSDPStrategy does not run on the CPU",
@@ -147,12 +212,14 @@ PROPOSAL = Proposal(
         " shards in `configure_model`); `FSDPStrategy` users would have to rewrite their models to test on a CPU.",
     },
     change="Three changes. `src/lightning/pytorch/trainer/connectors/accelerator_connector.py`,"
-    " `_check_strategy_and_fallback`: accept `cpu` for `FSDPStrategy` (the subclass here stands in for that: the"
-    " check looks for the exact type). `src/lightning/pytorch/strategies/fsdp.py`, `_setup_model` and"
+    " `_check_strategy_and_fallback` (and Fabric's, `src/lightning/fabric/connector.py`): accept `cpu` for"
+    " `FSDPStrategy` (the subclass here stands in for that: the check looks for the exact type)."
+    " `src/lightning/pytorch/strategies/fsdp.py`, `_setup_model` and"
     " `model_sharded_context` (and Fabric's `setup_module`/`module_init_context`): `device_id=self.root_device`"
     " instead of `self.root_device.index` (torch accepts a device, CUDA included). `src/lightning/fabric/strategies/"
     "fsdp.py`, `_get_full_state_dict_context`: `offload_to_cpu` only when the parameters are not on the CPU already."
-    " Here: `FSDPStrategyOnCPU` (the two overridden methods repeat upstream's call with the device).",
+    " Here: `FSDPStrategyOnCPU` (the two overridden methods repeat upstream's call with the device), and"
+    " `FabricFSDPStrategyOnCPU`, the same on Fabric's class (Fabric's connector refuses the CPU the same way).",
     cost="Behaviour on CUDA: none (the device object names the same device as its index; offload unchanged). On the"
     " CPU: works where it raised. Risk: FSDP1 on CPU is less exercised in torch than on CUDA (mixed precision and"
     " CPU offload options mean little there), so the docs should say it is for development and CI.",
@@ -160,7 +227,15 @@ PROPOSAL = Proposal(
     released=FSDPStrategy,
     changed=FSDPStrategyOnCPU,
     reproduce=reproduce,
-    tests=(test_fsdp_trains_and_saves_on_cpu, test_fsdp_wraps_in_configure_model_on_cpu),
+    tests=(
+        test_fsdp_trains_and_saves_on_cpu,
+        test_fsdp_wraps_in_configure_model_on_cpu,
+        test_fabric_fsdp_trains_and_saves_on_cpu,
+    ),
     upstream_test_file="tests_pytorch/strategies/test_fsdp.py",
-    notes=(f"Issue: {ISSUES}21812; PR 21840.",),
+    notes=(
+        f"Issue: {ISSUES}21812; PR 21840. The Fabric test goes into upstream's"
+        " `tests_fabric/strategies/test_fsdp_integration.py`: `Fabric(accelerator='cpu', strategy='fsdp')` is refused"
+        " the same way, and past the refusal Fabric's `setup_module` and full save fail as the Trainer's do.",
+    ),
 )

@@ -6,11 +6,15 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
+import torch.distributed.checkpoint.state_dict as torch_state_dict
+from lightning_fabric import Fabric
+from lightning_fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from pytorch_lightning.demos.boring_classes import BoringModel
 from pytorch_lightning.strategies import ModelParallelStrategy
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType, fully_shard
 from torch.distributed.tensor import DTensor
@@ -23,29 +27,50 @@ from tests.support.upstream_runs import ShardedByUser, fit
 _SHARDED = StateDictOptions(full_state_dict=False)
 
 
-class GatheredOneAtATime(ModelParallelStrategy):
-    """Upstream's ``ModelParallelStrategy``; a full save gathers one tensor at a time, and rank 0 moves each into a
-    file-backed storage at once (``torch.save`` then reads them from the page cache, which the kernel can evict),
-    so rank 0's heap holds one gathered tensor at most, not the whole state."""
+class Spill:
+    """Gathers a sharded state one tensor at a time; rank 0 moves each into a file-backed storage at once
+    (``torch.save`` then reads them from the page cache, which the kernel can evict), so rank 0's heap holds one
+    gathered tensor at most, not the whole state. :meth:`close` removes the files (after the write)."""
 
-    _spill: Path | None = None
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.directory: Path | None = None
+        self.files = 0
 
-    def _gathered(self, value: Any) -> Any:
+    def gathered(self, value: Any) -> Any:
+        """``value`` with every tensor gathered (on ranks other than 0: ``None`` in place of each tensor)."""
         if isinstance(value, dict):
-            return {key: self._gathered(item) for key, item in value.items()}
+            return {key: self.gathered(item) for key, item in value.items()}
         if isinstance(value, list | tuple):
-            return type(value)(self._gathered(item) for item in value)
+            return type(value)(self.gathered(item) for item in value)
         if not isinstance(value, Tensor):
             return value
         full = value.full_tensor() if isinstance(value, DTensor) else value  # a collective: every rank calls it
-        if self.global_rank != 0 or full.numel() == 0:
-            return full if self.global_rank == 0 else None
-        if self._spill is None:
-            self._spill = Path(tempfile.mkdtemp(prefix="full-save-"))
-        file = self._spill / str(len(list(self._spill.iterdir())))
+        if self.rank != 0 or full.numel() == 0:
+            return full if self.rank == 0 else None
+        if self.directory is None:
+            self.directory = Path(tempfile.mkdtemp(prefix="full-save-"))
+        self.files += 1
+        file = self.directory / str(self.files)
         backed = torch.from_file(str(file), shared=True, size=full.numel(), dtype=full.dtype).view(full.shape)
         backed.copy_(full.detach().cpu())
         return backed
+
+    def close(self) -> None:
+        if self.directory is not None:
+            shutil.rmtree(self.directory)
+            self.directory = None
+
+
+class GatheredOneAtATime(ModelParallelStrategy):
+    """Upstream's ``ModelParallelStrategy``; a full save gathers its state through a :class:`Spill`."""
+
+    _spill: Spill | None = None
+
+    def _gathered(self, value: Any) -> Any:
+        if self._spill is None:
+            self._spill = Spill(self.global_rank)
+        return self._spill.gathered(value)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._save_distributed_checkpoint:
@@ -67,8 +92,33 @@ class GatheredOneAtATime(ModelParallelStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options)
         finally:
             if self._spill is not None:
-                shutil.rmtree(self._spill)
+                self._spill.close()
                 self._spill = None
+
+
+class FabricGatheredOneAtATime(FabricModelParallelStrategy):
+    """The same on Fabric's ``ModelParallelStrategy``: ``_save_checkpoint``'s full state dicts (torch's
+    ``get_model_state_dict`` and ``get_optimizer_state_dict``, patched for one call) come through a :class:`Spill`."""
+
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any = None, filter: Any = None
+    ) -> None:
+        if self._save_distributed_checkpoint:
+            return super().save_checkpoint(path, state, storage_options, filter)
+        spill = Spill(self.global_rank)
+
+        def model_state(module: nn.Module, options: Any = None) -> Any:
+            return spill.gathered(get_model_state_dict(module, options=_SHARDED))
+
+        def optimizer_state(module: nn.Module, optimizer: Optimizer, options: Any = None) -> Any:
+            return spill.gathered(get_optimizer_state_dict(module, optimizer, options=_SHARDED))
+
+        patched = {"get_model_state_dict": model_state, "get_optimizer_state_dict": optimizer_state}
+        try:
+            with mock.patch.multiple(torch_state_dict, **patched):
+                return super().save_checkpoint(path, state, storage_options, filter)
+        finally:
+            spill.close()
 
 
 class _Measured(ShardedByUser):
@@ -159,6 +209,47 @@ def test_full_checkpoint_gathered_one_tensor_at_a_time_is_complete(
     assert checkpoint["optimizer_states"][0]["param_groups"][0]["params"] == [0, 1]
 
 
+# The test for upstream's tests_fabric/strategies/test_model_parallel_integration.py
+
+
+def _shard(module: nn.Module, mesh: Any) -> nn.Module:
+    fully_shard(module, mesh=mesh["data_parallel"])
+    return module
+
+
+def _fabric_save_measured(root: Path, cls: type) -> tuple[int, int]:
+    """A full ``fabric.save`` after an Adam step; of what rank 0's ``torch.save`` got: heap bytes, largest tensor."""
+    strategy = cls(_shard, data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(nn.Linear(32, 4))
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters()))
+    fabric.backward(model(torch.randn(2, 32)).sum())
+    optimizer.step()
+    measured = [(0, 0)]
+    save = torch.save
+
+    def measuring_save(obj: Any, *args: Any, **kwargs: Any) -> None:
+        storages = [tensor.untyped_storage() for tensor in _tensors(obj)]
+        heap = sum(storage.nbytes() for storage in storages if not storage.filename)
+        measured[0] = (heap, max((storage.nbytes() for storage in storages), default=0))
+        save(obj, *args, **kwargs)
+
+    with mock.patch.object(torch, "save", measuring_save):
+        fabric.save(root / "full.ckpt", {"model": model, "optimizer": optimizer})
+    return measured[0]
+
+
+def test_fabric_full_checkpoint_holds_at_most_one_gathered_tensor_in_memory(
+    tmp_path: Path, cls: type = FabricGatheredOneAtATime
+) -> None:
+    heap, largest = on_two_ranks(lambda: _fabric_save_measured(tmp_path, cls))[0]
+    assert largest > 0 and heap <= largest
+    checkpoint = torch.load(tmp_path / "full.ckpt", weights_only=True)
+    assert checkpoint["model"]["weight"].shape == (4, 32)
+    assert checkpoint["optimizer"]["state"]["weight"]["exp_avg"].shape == (4, 32)
+
+
 PROPOSAL = Proposal(
     slug="full-save-memory",
     title="Full-state saves hold the whole gathered model and optimizer state in rank 0's memory",
@@ -183,22 +274,29 @@ PROPOSAL = Proposal(
     change="`src/lightning/pytorch/strategies/model_parallel.py`, `lightning_module_state_dict` and"
     " `optimizer_state` (full case): take the sharded state dict, gather one tensor at a time (`full_tensor()`),"
     " and on rank 0 copy each into a file-backed storage (`torch.from_file(..., shared=True)`) before the next is"
-    " gathered; `save_checkpoint` removes the files after the write. Here: `GatheredOneAtATime`. This is the minimal"
-    " version: the complete fix writes each gathered tensor straight into the checkpoint file (the zip format"
-    " allows appending records one at a time) instead of through temporary files, which is what this package's"
-    " full saves do; that is a larger change (a writer beside `torch.save`).",
+    " gathered; `save_checkpoint` removes the files after the write (and the same in Fabric's `_save_checkpoint`)."
+    " Here: `Spill`, used by `GatheredOneAtATime` (and by `FabricGatheredOneAtATime`, which patches torch's two"
+    " state-dict functions for one `save_checkpoint` call). This is the minimal version: the complete fix writes"
+    " each gathered tensor straight into the checkpoint file (the zip format allows appending records one at a"
+    " time) instead of through temporary files, which is what this package's full saves do; that is a larger change"
+    " (a writer beside `torch.save`).",
     cost="Behaviour: the file is the same (keys, layout, param-id re-keying as upstream). Cost: one collective per"
     " tensor instead of one per state dict (slower for many small tensors), and temporary disk space equal to the"
     " checkpoint in the temp directory during the save. Risk: a temp directory on a small or RAM-backed (tmpfs)"
     " filesystem moves the problem there; the complete version has no temporary files.",
-    fix=(GatheredOneAtATime,),
+    fix=(Spill, GatheredOneAtATime),  # Fabric's: the same calls
     released=ModelParallelStrategy,
     changed=GatheredOneAtATime,
     reproduce=reproduce,
     tests=(
         test_full_checkpoint_holds_at_most_one_gathered_tensor_in_memory,
         test_full_checkpoint_gathered_one_tensor_at_a_time_is_complete,
+        test_fabric_full_checkpoint_holds_at_most_one_gathered_tensor_in_memory,
     ),
     upstream_test_file="tests_pytorch/strategies/test_model_parallel_integration.py",
-    notes=(f"Issues: {ISSUES}20312, {ISSUES}11207.",),
+    notes=(
+        f"Issues: {ISSUES}20312, {ISSUES}11207. The Fabric test goes into upstream's"
+        " `tests_fabric/strategies/test_model_parallel_integration.py`: Fabric's full save"
+        " (`save_distributed_checkpoint=False`) gathers the whole state into rank 0's memory the same way.",
+    ),
 )

@@ -7,8 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning_fabric import Fabric
+from lightning_fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from pytorch_lightning.demos.boring_classes import BoringModel
 from pytorch_lightning.strategies import ModelParallelStrategy
+from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.optim import Optimizer
 
@@ -34,6 +37,18 @@ class HyperParametersAsSaved(ModelParallelStrategy):
         for optimizer in self.optimizers:
             hyperparameters_as_defined(optimizer)
         return checkpoint
+
+
+class FabricHyperParametersAsSaved(FabricModelParallelStrategy):
+    """The same on Fabric's ``ModelParallelStrategy``: :func:`hyperparameters_as_defined` on each optimizer of the
+    state after ``fabric.load``."""
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> dict[str, Any]:
+        remaining = super().load_checkpoint(path, state, strict, **kwargs)
+        for optimizer in state.values() if isinstance(state, dict) else ():
+            if isinstance(optimizer, Optimizer):
+                hyperparameters_as_defined(optimizer)
+        return remaining
 
 
 def _restored_betas(path: Path) -> Any:
@@ -90,6 +105,39 @@ def test_load_full_checkpoint_keeps_hyperparameter_types(tmp_path: Path, cls: ty
     on_two_ranks(lambda: _resume(tmp_path, cls(data_parallel_size=2, tensor_parallel_size=1)))
 
 
+# The test for upstream's tests_fabric/strategies/test_model_parallel_integration.py
+
+
+def _shard(module: nn.Module, mesh: Any) -> nn.Module:
+    fully_shard(module, mesh=mesh["data_parallel"])
+    return module
+
+
+def _plain_checkpoint(path: Path) -> None:
+    """A file in torch's layout (as ``ddp`` or one device writes it) after a step of ``Adam(betas=(0.8, 0.9))``."""
+    model = nn.Linear(32, 4)
+    optimizer = torch.optim.Adam(model.parameters(), betas=(0.8, 0.9))
+    model(torch.randn(2, 32)).sum().backward()
+    optimizer.step()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+
+
+def _fabric_load_betas(root: Path, cls: type) -> Any:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=cls(_shard, data_parallel_size=2, tensor_parallel_size=1))
+    fabric.launch()
+    model = fabric.setup_module(nn.Linear(32, 4))
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), betas=(0.8, 0.9)))
+    fabric.load(root / "plain.ckpt", {"model": model, "optimizer": optimizer})
+    return optimizer.param_groups[0]["betas"]
+
+
+def test_fabric_load_full_checkpoint_keeps_hyperparameter_types(
+    tmp_path: Path, cls: type = FabricHyperParametersAsSaved
+) -> None:
+    _plain_checkpoint(tmp_path / "plain.ckpt")
+    assert on_two_ranks(lambda: _fabric_load_betas(tmp_path, cls)) == [(0.8, 0.9)] * 2
+
+
 PROPOSAL = Proposal(
     slug="hyperparameter-types",
     title="ModelParallelStrategy restores tuple hyper-parameters (Adam's `betas`) as lists",
@@ -113,13 +161,21 @@ PROPOSAL = Proposal(
     change="`src/lightning/fabric/strategies/model_parallel.py`, `_load_checkpoint`: after"
     " `set_optimizer_state_dict`, put each hyper-parameter that the optimizer defines as a tuple back as a tuple"
     " (torch's distributed state-dict API flattens the groups and rebuilds them from lists). Here:"
-    " `hyperparameters_as_defined`, called after upstream's load.",
+    " `hyperparameters_as_defined`, called after upstream's load (`HyperParametersAsSaved`, and"
+    " `FabricHyperParametersAsSaved` after `fabric.load`).",
     cost="Behaviour: the types of the saved state, nothing else (values are already equal). A hyper-parameter"
     " that a user deliberately stores as a list where the optimizer's default is a tuple becomes a tuple.",
     fix=(hyperparameters_as_defined, HyperParametersAsSaved.load_checkpoint),
     released=ModelParallelStrategy,
     changed=HyperParametersAsSaved,
     reproduce=reproduce,
-    tests=(test_load_full_checkpoint_keeps_hyperparameter_types,),
+    tests=(
+        test_load_full_checkpoint_keeps_hyperparameter_types,
+        test_fabric_load_full_checkpoint_keeps_hyperparameter_types,
+    ),
     upstream_test_file="tests_pytorch/strategies/test_model_parallel_integration.py",
+    notes=(
+        "The Fabric test goes into upstream's `tests_fabric/strategies/test_model_parallel_integration.py`: the load"
+        " is Fabric's `_load_checkpoint`, which `fabric.load` and the Trainer's strategy both call.",
+    ),
 )

@@ -10,10 +10,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning_fabric import Fabric
+from lightning_fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.demos.boring_classes import BoringModel
 from pytorch_lightning.strategies import ModelParallelStrategy
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.fsdp import fully_shard
 
 from scripts.upstream_findings import _mix
@@ -34,6 +36,32 @@ def _digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+def record_shards(path: Path, rank: int, world_size: int) -> None:
+    """After a DCP save into ``path``: each rank hashes the files it wrote (DCP names them
+    ``__<rank>_<n>.distcp``), and rank 0 writes all digests to :data:`MANIFEST`."""
+    own = {file.name: _digest(file) for file in path.glob(f"__{rank}_*.distcp")}
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, own)
+    if rank == 0:
+        (path / MANIFEST).write_text(json.dumps({k: v for files in gathered for k, v in files.items()}))
+
+
+def refuse_foreign_shards(path: Path, rank: int, world_size: int) -> None:
+    """Before a load of ``path``: where :data:`MANIFEST` is, the ranks share the hashing of every shard file and
+    all raise if one is not the file the record lists (missing, another digest, or not listed)."""
+    if not (path / MANIFEST).is_file():
+        return
+    recorded = json.loads((path / MANIFEST).read_text())
+    present = sorted({*recorded, *(file.name for file in path.glob("*.distcp"))})
+    mine = present[rank::world_size]  # the ranks share the reading
+    wrong = [name for name in mine if not (path / name).is_file() or recorded.get(name) != _digest(path / name)]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, wrong)
+    if any(gathered):
+        names = ", ".join(sorted(name for found in gathered for name in found))
+        raise RuntimeError(f"{path}: {names} is not the file its save wrote ({MANIFEST} records another)")
+
+
 class ShardsOfOneSave(ModelParallelStrategy):
     """Upstream's ``ModelParallelStrategy``; a DCP save also records each rank's shard files' digests, and a load
     of a directory with that record refuses files it does not list as written."""
@@ -41,26 +69,28 @@ class ShardsOfOneSave(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(filepath))
-        if path.is_dir():  # a DCP save: each rank hashes the files it wrote (DCP names them __<rank>_<n>.distcp)
-            own = {file.name: _digest(file) for file in path.glob(f"__{self.global_rank}_*.distcp")}
-            gathered: list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, own)
-            if self.global_rank == 0:
-                (path / MANIFEST).write_text(json.dumps({k: v for files in gathered for k, v in files.items()}))
+        if path.is_dir():  # a DCP save
+            record_shards(path, self.global_rank, self.world_size)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(checkpoint_path))
-        if (path / MANIFEST).is_file():
-            recorded = json.loads((path / MANIFEST).read_text())
-            present = sorted({*recorded, *(file.name for file in path.glob("*.distcp"))})
-            mine = present[self.global_rank :: self.world_size]  # the ranks share the reading
-            wrong = [name for name in mine if not (path / name).is_file() or recorded.get(name) != _digest(path / name)]
-            gathered: list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, wrong)
-            if any(gathered):
-                names = ", ".join(sorted(name for found in gathered for name in found))
-                raise RuntimeError(f"{path}: {names} is not the file its save wrote ({MANIFEST} records another)")
+        refuse_foreign_shards(Path(self.broadcast(checkpoint_path)), self.global_rank, self.world_size)
         return super().load_checkpoint(checkpoint_path, weights_only)
+
+
+class FabricShardsOfOneSave(FabricModelParallelStrategy):
+    """The same record and check on Fabric's ``ModelParallelStrategy`` (``fabric.save`` and ``fabric.load``)."""
+
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any = None, filter: Any = None
+    ) -> None:
+        super().save_checkpoint(path, state, storage_options, filter)
+        directory = Path(self.broadcast(path))
+        if directory.is_dir():  # a DCP save
+            record_shards(directory, self.global_rank, self.world_size)
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> dict[str, Any]:
+        refuse_foreign_shards(Path(self.broadcast(path)), self.global_rank, self.world_size)
+        return super().load_checkpoint(path, state, strict, **kwargs)
 
 
 def reproduce(root: Path, cls: type) -> Outcome:
@@ -121,6 +151,47 @@ def test_load_distributed_checkpoint_refuses_shards_of_another_save(
     assert all("__1_0.distcp is not the file its save wrote" in message for message in messages), messages
 
 
+# The test for upstream's tests_fabric/strategies/test_model_parallel_integration.py
+
+
+def _shard(module: nn.Module, mesh: Any) -> nn.Module:
+    fully_shard(module, mesh=mesh["data_parallel"])
+    return module
+
+
+def _fabric_model(cls: type) -> tuple[Fabric, nn.Module]:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=cls(_shard, data_parallel_size=2, tensor_parallel_size=1))
+    fabric.launch()
+    return fabric, fabric.setup_module(nn.Linear(32, 4))
+
+
+def _fabric_save_twice(root: Path, cls: type) -> None:
+    fabric, model = _fabric_model(cls)
+    fabric.save(root / "first", {"model": model})
+    with torch.no_grad():  # the second save holds other weights
+        for param in model.parameters():
+            param.add_(1.0)
+    fabric.save(root / "second", {"model": model})
+
+
+def _fabric_load(root: Path, cls: type) -> str:
+    fabric, model = _fabric_model(cls)
+    try:
+        fabric.load(root / "first", {"model": model})
+    except RuntimeError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_fabric_load_distributed_checkpoint_refuses_shards_of_another_save(
+    tmp_path: Path, cls: type = FabricShardsOfOneSave
+) -> None:
+    on_two_ranks(lambda: _fabric_save_twice(tmp_path, cls))
+    shutil.copyfile(tmp_path / "second" / "__1_0.distcp", tmp_path / "first" / "__1_0.distcp")
+    messages = on_two_ranks(lambda: _fabric_load(tmp_path, cls))
+    assert all("__1_0.distcp is not the file its save wrote" in message for message in messages), messages
+
+
 PROPOSAL = Proposal(
     slug="mixed-saves",
     title="ModelParallelStrategy resumes a distributed checkpoint that mixes shard files of two saves without a word",
@@ -144,17 +215,25 @@ PROPOSAL = Proposal(
     " Fabric's `_save_checkpoint`/`_load_checkpoint`): after DCP's save, every rank hashes the files it wrote, and"
     " rank 0 writes the digests beside `meta.pt`; a load of a directory with that record has the ranks share the"
     " hashing of every `.distcp` present and refuses, on every rank, any file the record does not list with that"
-    " digest. Here: `ShardsOfOneSave`, a subclass. This package does it without reading the files twice: each rank"
+    " digest. Here: `record_shards` and `refuse_foreign_shards`, called by `ShardsOfOneSave`, a subclass (and by"
+    " `FabricShardsOfOneSave` on Fabric's class). This package does it without reading the files twice: each rank"
     " writes a small stamp tensor (save id, rank) into its own shard and the load checks the stamps; that needs a"
     " planner change and is the larger version.",
     cost="Behaviour: directories without the record (older saves) load as before. Cost: each rank reads back the"
     " files it wrote at the save, and the files are read once more at the load (page cache makes the first cheap,"
     " not the second on a cold store). A tool that rewrites shard files in place (no Lightning code does) would"
     " have to rewrite the record.",
-    fix=(_digest, ShardsOfOneSave),
+    fix=(_digest, record_shards, refuse_foreign_shards, ShardsOfOneSave),  # Fabric's: the same calls
     released=ModelParallelStrategy,
     changed=ShardsOfOneSave,
     reproduce=reproduce,
-    tests=(test_load_distributed_checkpoint_refuses_shards_of_another_save,),
+    tests=(
+        test_load_distributed_checkpoint_refuses_shards_of_another_save,
+        test_fabric_load_distributed_checkpoint_refuses_shards_of_another_save,
+    ),
     upstream_test_file="tests_pytorch/strategies/test_model_parallel_integration.py",
+    notes=(
+        "The Fabric test goes into upstream's `tests_fabric/strategies/test_model_parallel_integration.py`: Fabric's"
+        " `save` and `load` of a distributed checkpoint mix shards of two saves the same way.",
+    ),
 )

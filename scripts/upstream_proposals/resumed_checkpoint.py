@@ -116,5 +116,8 @@ PROPOSAL = Proposal(
         test_model_checkpoint_still_removes_remote_previous_checkpoint,
     ),
     upstream_test_file="tests_pytorch/checkpointing/test_model_checkpoint.py",
-    notes=(f"Issue: {ISSUES}21813.",),
+    notes=(
+        f"Issue: {ISSUES}21813. No Fabric test: the removal is `ModelCheckpoint`'s, a Trainer callback; Fabric has no"
+        " checkpoint callback, and `fabric.save` writes where it is told and removes nothing.",
+    ),
 )
