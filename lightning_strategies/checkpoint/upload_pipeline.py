@@ -74,8 +74,8 @@ class S3Parts:
     uploads_at_once = 2
 
     def __init__(self, fs: Any, path: str) -> None:
-        self._fs = fs
-        self._path = path
+        self._filesystem = fs
+        self._object_path = path
         self._bucket, self._key, _ = fs.split_path(path)
         started = fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)
         self._upload_id: str | None = str(started["UploadId"])
@@ -83,7 +83,7 @@ class S3Parts:
 
     def send(self, number: int, part: bytearray) -> None:
         with _PartReader(part) as body:
-            sent = self._fs.call_s3(
+            sent = self._filesystem.call_s3(
                 "upload_part",
                 Bucket=self._bucket,
                 Key=self._key,
@@ -97,22 +97,24 @@ class S3Parts:
     def complete(self) -> None:
         if not self._etags:  # nothing was written: an empty object (S3 completes no upload of no parts)
             self.abandon()
-            self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=b"")
+            self._filesystem.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=b"")
         else:
             parts = [{"PartNumber": number, "ETag": self._etags[number]} for number in sorted(self._etags)]
-            self._fs.call_s3(
+            self._filesystem.call_s3(
                 "complete_multipart_upload",
                 Bucket=self._bucket,
                 Key=self._key,
                 UploadId=self._upload_id,
                 MultipartUpload={"Parts": parts},
             )
-        self._fs.invalidate_cache(self._path)
+        self._filesystem.invalidate_cache(self._object_path)
 
     def abandon(self) -> None:
         if self._upload_id is not None:
             with contextlib.suppress(Exception):  # an upload left open is removed by the bucket's lifecycle rules
-                self._fs.call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id)
+                self._filesystem.call_s3(
+                    "abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id
+                )
             self._upload_id = None
 
 
@@ -160,7 +162,7 @@ class PartPipeline:
         self._numbered = 0
         self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()  # buffers back from the upload thread
         self._free.put(bytearray(part_size))
-        self._error: BaseException | None = None
+        self._failure: BaseException | None = None
         self._closed = False
         self._threads = [
             threading.Thread(target=self._upload, name="lightning-strategies-upload", daemon=True)
@@ -188,8 +190,8 @@ class PartPipeline:
             if self._filled == self._part_size:
                 self._send(self._part)
                 self._part, self._filled = self._free.get(), 0  # waits while the part before still uploads
-                if self._error is not None:
-                    raise self._error
+                if self._failure is not None:
+                    raise self._failure
         return size
 
     def flush(self) -> None:
@@ -206,8 +208,8 @@ class PartPipeline:
                 del self._part[self._filled :]  # in place: the last part is shorter
                 self._send(self._part)
             self._stop()
-            if self._error is not None:
-                raise self._error
+            if self._failure is not None:
+                raise self._failure
             self._sink.complete()
         except BaseException:
             self.abort()
@@ -220,8 +222,8 @@ class PartPipeline:
         self._sink.abandon()
 
     def _send(self, part: bytearray) -> None:
-        if self._error is not None:
-            raise self._error
+        if self._failure is not None:
+            raise self._failure
         self._numbered += 1
         self._parts.put((self._numbered, part))
 
@@ -237,9 +239,9 @@ class PartPipeline:
         while (numbered := self._parts.get()) is not None:
             number, part = numbered
             try:
-                if self._error is None:  # after an error the parts are dropped, so the writer never waits long
+                if self._failure is None:  # after an error the parts are dropped, so the writer never waits long
                     self._sink.send(number, part)
             except BaseException as error:  # raised in the writing thread by its next write or by finish()
-                self._error = error
+                self._failure = error
             finally:
                 self._free.put(part)

@@ -48,7 +48,7 @@ from .atomic_io import finish_background_writes
 if TYPE_CHECKING:
     from .checkpointing import CheckpointFlow
 
-_T = TypeVar("_T")
+Answer = TypeVar("Answer")
 _MARKER_URL = re.compile(r"^(?P<checkpoint>.+)/(?P<save_id>[0-9a-f]{32})" + re.escape(COMMIT_SUFFIX) + r"$")
 
 
@@ -159,7 +159,7 @@ def _stored_checkpoint(store: Store, path: str, save_id: str | None) -> Committe
     return StoredFile(name, store.path, listing.full_file_size, "the object", "the store's listing")
 
 
-def _rank_zero_answer(ask: Callable[[], _T]) -> _T:
+def _rank_zero_answer(ask: Callable[[], Answer]) -> Answer:
     """Rank 0's result of ``ask`` on every rank, or its error raised on every rank (a collective)."""
     answer: tuple[bool, Any] | None = None
     if this_rank() == 0:
@@ -170,7 +170,7 @@ def _rank_zero_answer(ask: Callable[[], _T]) -> _T:
     ok, value = every_rank(answer)[0]
     if not ok:
         raise value
-    return cast(_T, value)
+    return cast(Answer, value)
 
 
 class Downloads:
