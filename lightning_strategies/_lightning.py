@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
+from lightning_strategies.checkpoint.remote import keep_for_this_process
+
 from ._flavour import flavour_of
 
 FLAVOUR = flavour_of(__name__)
@@ -367,6 +369,7 @@ def reopen_callback_filesystems(trainer: pl.Trainer) -> None:
         if filesystem is None or opened_in is None or opened_in == os.getpid():
             continue
         rebuild, arguments = filesystem.__reduce__()  # fsspec's own recipe: the class and its storage options
+        keep_for_this_process(filesystem)  # closing the parent's would close its connections in the parent too
         callback._fs = rebuild(*arguments)
 
 

@@ -80,6 +80,42 @@ class Store:
         return "/".join((self.url, *names))
 
 
+#: The filesystems a fork keeps alive for its whole life (see :func:`_keep_filesystems_through_fork`).
+_KEPT_THROUGH_FORK: list[Any] = []
+
+
+def _filesystem_classes(root: type[AbstractFileSystem] = AbstractFileSystem) -> Iterator[type[AbstractFileSystem]]:
+    subclass: type[AbstractFileSystem]
+    for subclass in root.__subclasses__():
+        yield subclass
+        yield from _filesystem_classes(subclass)
+
+
+def _keep_filesystems_through_fork() -> None:
+    """Before a fork, in the parent: holds every cached fsspec filesystem, so that the child inherits a reference.
+
+    fsspec empties its instance cache in a forked child, and an asynchronous filesystem (s3fs) dropped there runs its
+    finalizer, which closes its pooled connections through the event loop state the child shares with the parent: the
+    same epoll instance. The sockets are then taken out of the parent's epoll set, and the parent's next request on
+    one of them waits for an answer its loop is never told of (the tests' main process stalled about 15 s on its
+    first request after a fork fit). Forked workers end with ``os._exit``, which runs no finalizer of a live object:
+    held, the inherited filesystems are never closed in the child. The parent lets go right after the fork.
+    """
+    _KEPT_THROUGH_FORK.extend(
+        instance for cls in _filesystem_classes() for instance in vars(cls).get("_cache", {}).values()
+    )
+
+
+def keep_for_this_process(filesystem: Any) -> None:
+    """Holds ``filesystem`` (one this forked process inherited and replaces) until the process ends, for the reason
+    :func:`_keep_filesystems_through_fork` gives."""
+    _KEPT_THROUGH_FORK.append(filesystem)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_keep_filesystems_through_fork, after_in_parent=_KEPT_THROUGH_FORK.clear)
+
+
 def open_store(url: str, storage_options: dict[str, Any] | None = None) -> Store:
     """The store of ``url``, with the options s3fs users pass (``key``, ``secret``, ``endpoint_url``, ...).
 
