@@ -14,7 +14,8 @@ cross-package checkpoints) but for its tests marked ``flavour_independent``; ``n
 (``.venv-newest``, ``.venv-oldest``: the ends of the ranges ``pyproject.toml`` declares, torch's CUDA build from
 pypi.org run on the CPU) run ``tests/both_packages``, the differential fuzzer's CI examples, the checkpoint IO
 plugin tests and the resume matrix's remote cells on the S3 server (``VERSION_LEG_TESTS``). Their environments are
-built in the background while the pinned leg runs (their logs: ``.venv-newest.log``, ``.venv-oldest.log``).
+built in the background while the pinned leg runs, the ``lightning`` leg's while ruff, mypy and Sphinx run (their
+logs: ``.venv-newest.log``, ``.venv-oldest.log``, ``.venv-lightning.log``).
 ``demo`` needs only ``.venv``. Extra arguments go to the demo or to pytest (pinned leg only), e.g.
 ``python3 dev.py test -k sharded``.
 """
@@ -246,8 +247,10 @@ def main(argv: list[str]) -> None:
     if command == "fuzz":
         _run(main_env.python, "-m", "tests.fuzz", *rest, echo=False)
         return
-    _ensure(LIGHTNING_ENV)
-    # Mostly downloads and unpacking (about 5 GB each): they overlap the pinned leg, which waits on its ranks a lot.
+    # The `lightning` leg's environment (which the pinned leg's cross-package tests run too) is built while the
+    # checks below run, the version legs' (mostly downloads and unpacking, about 5 GB each) while the pinned leg runs,
+    # which waits on its ranks a lot.
+    lightning_build = _build_in_background(LIGHTNING_ENV)
     legs = () if rest else VERSION_LEG_TESTS_ENVIRONMENTS
     builds = {environment: _build_in_background(environment) for environment in legs}
     _run(main_env.bin / "ruff", "check", ".")
@@ -255,6 +258,7 @@ def main(argv: list[str]) -> None:
     _run(main_env.bin / "mypy", "lightning_strategies")
     # Warnings are errors: a broken reference or a docstring autodoc cannot read fails the run.
     _run(main_env.bin / "sphinx-build", "-W", "--keep-going", "-q", "-b", "html", "docs", "docs/_build/html")
+    _await_build(LIGHTNING_ENV, lightning_build)
     # Each run names another environment's Python: the cross-package tests save in one and resume in the other.
     # The slowest tests are listed: cut redundant slow cases before adding new ones (the run must stay under 25 min).
     _pytest(main_env, "--durations=15", *rest, other=LIGHTNING_ENV)
