@@ -182,9 +182,6 @@ class Downloads:
     def __init__(self) -> None:
         self._copies: list[tuple[Path, bool]] = []  # (scratch directory, whether this process made it)
 
-    def __bool__(self) -> bool:
-        return bool(self._copies)
-
     def fetch(self, store: Store, files: list[StoredFile], name: str) -> Path:
         """Downloads ``files`` of ``store`` into a new directory ``name`` of this host's copy and returns it (a
         collective: every rank calls it with the same files).
@@ -202,19 +199,21 @@ class Downloads:
             made = False
         except OSError as error:
             unusable = f"{type(error).__name__}: {error}"
+        identity = None
         if unusable is None:
             self._copies.append((scratch, made))
-        refusals = [(rank, found) for rank, found in enumerate(every_rank(unusable)) if found is not None]
-        if refusals:  # every process made or found its directory before any looks at what it is
+            seen = scratch.stat()  # the directory, whoever made it: ranks that see the same one share the copy
+            identity = (socket.gethostname(), seen.st_dev, seen.st_ino)
+        everyone = every_rank((unusable, identity))
+        refusals = [(rank, found) for rank, (found, _) in enumerate(everyone) if found is not None]
+        if refusals:
             self.clear()
             rank, refusal = refusals[0]
             raise StoreError(
                 f"Checkpoint {store.url!r}: rank {rank} cannot make its local copy in {str(scratch.parent)!r}"
                 f" ({refusal}). Point TMPDIR at a writable local directory with room for the checkpoint."
             )
-        seen = scratch.stat()
-        identity = (socket.gethostname(), seen.st_dev, seen.st_ino)
-        sharing = [rank for rank, other in enumerate(every_rank(identity)) if tuple(other) == identity]
+        sharing = [rank for rank, (_, other) in enumerate(everyone) if tuple(other) == identity]
         local = scratch / name
         local.mkdir(exist_ok=True)
         share = split_download(files, len(sharing))[sharing.index(this_rank())]
